@@ -1,0 +1,3 @@
+from crosspool.cli import main
+
+main()

@@ -1,0 +1,1 @@
+"""Agents: AtnAgent (one per attention device) and FfnAgent (one per FFN device)."""

@@ -1,0 +1,1 @@
+"""FFN execution inside an FfnAgent: weight loading and the layer math."""

@@ -1,0 +1,134 @@
+"""Deployment file schema (TOML, validated with pydantic), resolution and digest."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+Name = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9._-]{0,47}$")]
+
+
+class ConfigError(ValueError):
+    """A deployment file problem: one line per problem, each naming the field and the bad value."""
+
+    def __init__(self, source: str, problems: list[str]) -> None:
+        self.source, self.problems = source, problems
+        super().__init__("\n".join(f"{source}: {p}" for p in problems))
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Limits(_Strict):
+    max_batched_tokens: int = Field(2048, ge=16, le=65536)
+    """Rows one layer call may carry; also vLLM's max_num_batched_tokens and the mailbox size."""
+    ffn_timeout_s: float = Field(10.0, gt=0, le=600)
+    """Bound on every wait on the FFN path: a peer silent this long fails the request."""
+    startup_timeout_s: float = Field(600.0, gt=0)
+    shutdown_grace_s: float = Field(10.0, gt=0, le=120)
+
+
+class AttentionDevice(_Strict):
+    id: Name
+
+
+class FfnAgentConfig(_Strict):
+    id: Name
+    memory_gib: float = Field(4.0, gt=0)
+    threads: int | None = Field(None, ge=1, le=256)
+
+
+class ModelConfig(_Strict):
+    id: Name
+    path: Path
+    engine: Literal["vllm"]
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    attention_device: Name | None = None
+    ffn_agent: Name | None = None
+    max_model_len: int = Field(2048, ge=16)
+    max_num_seqs: int = Field(16, ge=1)
+    kv_cache_gib: int = Field(1, ge=1)
+    enforce_eager: bool = False
+    engine_args: dict[str, Any] = Field(default_factory=dict)
+    """Extra engine arguments (vLLM EngineArgs names); unsupported ones are refused."""
+
+    @field_validator("path")
+    @classmethod
+    def _path_is_checkpoint(cls, path: Path) -> Path:
+        path = path.expanduser()
+        if not path.is_dir():
+            raise ValueError(f"model path does not exist: '{path}'")
+        if not (path / "config.json").is_file():
+            raise ValueError(f"no config.json in model path '{path}'")
+        return path.resolve()
+
+
+class Deployment(_Strict):
+    name: Name = "crosspool"
+    host: Literal["127.0.0.1", "localhost", "::1"] = "127.0.0.1"
+    port: int = Field(8000, ge=1024, le=65535)
+    limits: Limits = Limits()
+    attention_device: list[AttentionDevice] = Field(default_factory=lambda: [AttentionDevice(id="atn0")])
+    ffn_agent: list[FfnAgentConfig] = Field(default_factory=lambda: [FfnAgentConfig(id="ffn0")])
+    model: list[ModelConfig] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _references(self) -> Deployment:
+        for kind, items in (("attention_device", self.attention_device), ("ffn_agent", self.ffn_agent), ("model", self.model)):
+            ids = [item.id for item in items]
+            if not ids and kind != "model":
+                raise ValueError(f"{kind}: at least one is required")
+            dup = sorted({i for i in ids if ids.count(i) > 1})
+            if dup:
+                raise ValueError(f"{kind}: duplicate id {dup[0]!r}")
+        atn_ids = {a.id for a in self.attention_device}
+        ffn_ids = {f.id for f in self.ffn_agent}
+        for i, m in enumerate(self.model):
+            if m.attention_device is not None and m.attention_device not in atn_ids:
+                raise ValueError(f"model[{i}].attention_device: unknown device {m.attention_device!r} (known: {sorted(atn_ids)})")
+            if m.ffn_agent is not None and m.ffn_agent not in ffn_ids:
+                raise ValueError(f"model[{i}].ffn_agent: unknown agent {m.ffn_agent!r} (known: {sorted(ffn_ids)})")
+        return self
+
+    def attention_of(self, model: ModelConfig) -> str:
+        return model.attention_device or self.attention_device[0].id
+
+    def ffn_of(self, model: ModelConfig) -> str:
+        return model.ffn_agent or self.ffn_agent[0].id
+
+    def digest(self) -> str:
+        canonical = json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+def _format_error(err: Any) -> str:
+    loc = ".".join(f"[{p}]" if isinstance(p, int) else str(p) for p in err["loc"]).replace(".[", "[")
+    msg = err["msg"].removeprefix("Value error, ")
+    value = err.get("input")
+    shown = "" if isinstance(value, dict | list) or value is None else f" (got {value!r})"
+    return f"{loc}: {msg}{shown}" if loc else f"{msg}{shown}"
+
+
+def parse_deployment(text: str, source: str = "<deployment>") -> Deployment:
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(source, [f"malformed TOML: {e}"]) from None
+    try:
+        return Deployment.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(source, [_format_error(err) for err in e.errors()]) from None
+
+
+def load_deployment(path: Path) -> Deployment:
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(str(path), [f"cannot read deployment file: {e.strerror}"]) from None
+    return parse_deployment(text, str(path))

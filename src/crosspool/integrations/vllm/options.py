@@ -1,0 +1,45 @@
+"""vLLM modes CrossPool does not support (fail closed), each with the reason. Pure data: no vllm import."""
+
+from __future__ import annotations
+
+from typing import Any
+
+# engine argument -> (value that is fine, reason it is refused otherwise)
+UNSUPPORTED: dict[str, tuple[Any, str]] = {
+    "speculative_config": (None, "speculative decoding runs draft FFNs CrossPool does not place"),
+    "enable_lora": (False, "LoRA adapters on the FFN would be applied by nobody (FFN runs in the pool)"),
+    "quantization": (None, "the FFN pool executes unquantized bf16/fp32 weights only"),
+    "pipeline_parallel_size": (1, "pipeline parallelism is not qualified with the FFN pool"),
+    "tensor_parallel_size": (1, "attention tensor parallelism is not qualified yet (issue C)"),
+    "data_parallel_size": (1, "attention data parallelism is not qualified yet (issue C)"),
+    "decode_context_parallel_size": (1, "context parallelism does not run on vLLM's CPU backend"),
+    "prefill_context_parallel_size": (1, "context parallelism does not run on vLLM's CPU backend"),
+    "enable_expert_parallel": (False, "expert parallelism belongs to the FFN pool, not the engine"),
+    "cpu_offload_gb": (0, "weight offload would move attention weights the plan does not know about"),
+    "kv_transfer_config": (None, "KV transfer / disaggregated serving is not supported"),
+    "load_format": ("auto", "only safetensors checkpoints are supported (load_format 'auto')"),
+}
+
+# CrossPool sets these itself from the deployment file.
+OWNED = {
+    "model": "model.path",
+    "dtype": "model.dtype",
+    "max_model_len": "model.max_model_len",
+    "max_num_seqs": "model.max_num_seqs",
+    "max_num_batched_tokens": "limits.max_batched_tokens",
+    "enforce_eager": "model.enforce_eager",
+    "port": "deployment.port",
+    "host": "deployment.host",
+}
+
+
+def engine_arg_problems(engine_args: dict[str, Any]) -> list[str]:
+    """One line per refused engine argument (field and value named)."""
+    problems = []
+    for name, value in engine_args.items():
+        key = name.replace("-", "_")
+        if key in OWNED:
+            problems.append(f"engine_args.{name}: set by CrossPool from {OWNED[key]} (got {value!r})")
+        elif key in UNSUPPORTED and value != UNSUPPORTED[key][0]:
+            problems.append(f"engine_args.{name}: not supported with CrossPool: {UNSUPPORTED[key][1]} (got {value!r})")
+    return problems

@@ -1,0 +1,120 @@
+"""`vllm.general_plugins` entry point: active only in processes launched by CrossPool.
+
+vLLM loads general plugins in the API server, in EngineCore and in every worker. When
+CROSSPOOL_PLAN is set, `register` replaces the FFN module class of each supported family
+before the model is built (the native FFN constructor never runs, so no FFN weight is
+allocated) and drops the FFN tensors from weight loading. Without it, vLLM stays native.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Generator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from crosspool import ops
+from crosspool.integrations.vllm.options import UNSUPPORTED
+from crosspool.models.spec import ModelFfnSpec, load_ffn_spec
+from crosspool.plan import ModelPlan, Plan
+from crosspool.transport.mailbox import RankTransport
+
+ENV_PLAN = "CROSSPOOL_PLAN"
+ENV_MODEL = "CROSSPOOL_MODEL"
+
+_state: dict[str, Any] = {}
+
+
+def _runtime_problems(vllm_config: Any, model: ModelPlan, spec: ModelFfnSpec) -> list[str]:
+    parallel = vllm_config.parallel_config
+    seen = {
+        "tensor_parallel_size": parallel.tensor_parallel_size,
+        "pipeline_parallel_size": parallel.pipeline_parallel_size,
+        "data_parallel_size": parallel.data_parallel_size,
+        "decode_context_parallel_size": parallel.decode_context_parallel_size,
+        "prefill_context_parallel_size": getattr(parallel, "prefill_context_parallel_size", 1),
+        "enable_expert_parallel": parallel.enable_expert_parallel,
+        "speculative_config": vllm_config.speculative_config,
+        "enable_lora": vllm_config.lora_config is not None,
+        "quantization": vllm_config.model_config.quantization,
+    }
+    problems = [f"{k}={v!r}: {UNSUPPORTED[k][1]}" for k, v in seen.items() if v != UNSUPPORTED[k][0]]
+    archs = vllm_config.model_config.architectures or []
+    if spec.architecture not in archs:
+        problems.append(f"model architecture {archs} is not the planned {spec.architecture}")
+    if str(vllm_config.model_config.dtype).removeprefix("torch.") != model.dtype:
+        problems.append(f"dtype {vllm_config.model_config.dtype} is not the planned {model.dtype}")
+    return problems
+
+
+def _attach() -> None:
+    """Once per rank process, at model construction: check the engine mode, attach Transport."""
+    if ops.attached():
+        return
+    from vllm.config import get_current_vllm_config
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    plan: Plan = _state["plan"]
+    model: ModelPlan = _state["model"]
+    problems = _runtime_problems(get_current_vllm_config(), model, _state["spec"])
+    if problems:
+        raise RuntimeError("CrossPool cannot serve this vLLM configuration: " + "; ".join(problems))
+    mailbox = plan.mailboxes_of(model.id)[get_tensor_model_parallel_rank()]
+    ops.attach(RankTransport(mailbox.name, mailbox.atn_agent, plan.ffn_timeout_s))
+
+
+class CrossPoolFfn(nn.Module):
+    """Stands in for the family's MLP: no parameters; forward calls the FFN pool."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, *args: Any, prefix: str = "", **kwargs: Any) -> None:
+        super().__init__()
+        match = re.search(r"layers\.(\d+)\.", prefix + ".")
+        assert match, f"cannot tell the layer index from module prefix {prefix!r}"
+        self.layer = int(match.group(1))
+        self.hidden_size = hidden_size
+        _attach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.hidden_size)
+        out = torch.empty_like(flat)
+        torch.ops.crosspool.ffn_shim(flat, out, self.layer)
+        return out.view(x.shape)
+
+
+def _filter_ffn_weights(ffn_keys: frozenset[str]) -> None:
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+    native = DefaultModelLoader.get_all_weights
+
+    def get_all_weights(self: Any, model_config: Any, model: nn.Module) -> Generator[tuple[str, torch.Tensor], None, None]:
+        dropped = 0
+        for name, tensor in native(self, model_config, model):
+            if name in ffn_keys:
+                dropped += 1
+                continue
+            yield name, tensor
+        if dropped != len(ffn_keys):
+            raise RuntimeError(f"CrossPool weight filter dropped {dropped} of {len(ffn_keys)} FFN tensors")
+
+    DefaultModelLoader.get_all_weights = get_all_weights  # type: ignore[method-assign]
+
+
+def register() -> None:
+    plan_path = os.environ.get(ENV_PLAN)
+    if not plan_path or "plan" in _state:
+        return
+    plan = Plan.model_validate_json(Path(plan_path).read_text())
+    model = plan.model(os.environ[ENV_MODEL])
+    spec = load_ffn_spec(model.path)
+    _state.update(plan=plan, model=model, spec=spec)
+
+    from vllm.model_executor.models import llama, qwen2, qwen3
+
+    llama.LlamaMLP = CrossPoolFfn  # type: ignore[misc]
+    qwen2.Qwen2MLP = CrossPoolFfn  # type: ignore[misc]
+    qwen3.Qwen3MLP = CrossPoolFfn  # type: ignore[misc]
+    _filter_ffn_weights(spec.ffn_keys)

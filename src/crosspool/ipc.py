@@ -1,0 +1,164 @@
+"""Shared-memory segments, futex waits and peer liveness: the primitives Transport and Fabric stand on.
+
+Segments are plain files in /dev/shm (no multiprocessing.resource_tracker, which unlinks
+segments behind the back of attaching processes). Waiters spin briefly, then block on a
+futex word in the segment; every wait is sliced so liveness checks run while blocked.
+x86-64 keeps stores in program order (TSO), so "write payload, then publish a sequence
+word" is enough between processes; other architectures would need explicit fences.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import platform
+import select
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+SHM_DIR = Path("/dev/shm")
+SHM_PREFIX = "crosspool-"
+
+_SYS_FUTEX = {"x86_64": 202, "aarch64": 98}[platform.machine()]
+_FUTEX_WAIT = 0
+_FUTEX_WAKE = 1
+_INT_MAX = 2**31 - 1
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+def futex_wait(addr: int, expected: int, timeout_s: float) -> None:
+    """Block while the u32 at `addr` equals `expected`, at most `timeout_s` (spurious wakes allowed)."""
+    ts = _Timespec(int(timeout_s), int((timeout_s % 1.0) * 1e9))
+    _libc.syscall(
+        _SYS_FUTEX,
+        ctypes.c_void_p(addr),
+        _FUTEX_WAIT,
+        ctypes.c_uint32(expected),
+        ctypes.byref(ts),
+        None,
+        0,
+    )
+
+
+def futex_wake(addr: int) -> None:
+    _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(addr), _FUTEX_WAKE, _INT_MAX, None, None, 0)
+
+
+class Segment:
+    """One named shared-memory segment, mapped read-write; u32 words and tensor views over it."""
+
+    def __init__(self, name: str, size: int, *, create: bool) -> None:
+        assert name.startswith(SHM_PREFIX), name
+        self.name = name
+        self.path = SHM_DIR / name
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        try:
+            fd = os.open(self.path, flags, 0o600)
+        except FileNotFoundError:
+            raise RuntimeError(f"shared-memory segment {name!r} does not exist") from None
+        try:
+            if create:
+                os.ftruncate(fd, size)
+            else:
+                size = os.fstat(fd).st_size
+            self.size = size
+            self.mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self.words = memoryview(self.mm).cast("I")
+        anchor = ctypes.c_char.from_buffer(self.mm)
+        self.addr = ctypes.addressof(anchor)
+        del anchor
+
+    def word_addr(self, index: int) -> int:
+        return self.addr + 4 * index
+
+    def tensor(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        count = 1
+        for dim in shape:
+            count *= dim
+        view = torch.frombuffer(self.mm, dtype=dtype, count=count, offset=offset)
+        return view.view(shape)
+
+    def unlink(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
+def unlink_segments(prefix: str) -> list[str]:
+    """Remove every segment whose name starts with `prefix`; returns the names removed."""
+    assert prefix.startswith(SHM_PREFIX), prefix
+    removed = []
+    for path in SHM_DIR.glob(prefix + "*"):
+        path.unlink(missing_ok=True)
+        removed.append(path.name)
+    return removed
+
+
+class Peer:
+    """A process this one depends on, watched through a pidfd (exit is seen even while a zombie)."""
+
+    def __init__(self, role: str, name: str, pid: int) -> None:
+        self.role, self.name, self.pid = role, name, pid
+        try:
+            self._fd: int | None = os.pidfd_open(pid)
+        except ProcessLookupError:
+            self._fd = None
+
+    def __str__(self) -> str:
+        return f"{self.role} {self.name!r} (pid {self.pid})"
+
+    def alive(self) -> bool:
+        if self._fd is None:
+            return False
+        ready, _, _ = select.select([self._fd], [], [], 0)
+        return not ready
+
+
+class PeerDied(RuntimeError):
+    pass
+
+
+SPIN_S = 50e-6
+SLICE_S = 0.05
+
+
+def wait_word_change(
+    seg: Segment,
+    index: int,
+    old: int,
+    *,
+    deadline: float | None,
+    check: Callable[[], None] = lambda: None,
+    spin_s: float = SPIN_S,
+) -> int:
+    """Wait until word `index` differs from `old`; spin `spin_s`, then block in slices, calling
+    `check` between slices (it raises to abort). Raises TimeoutError past `deadline`
+    (time.monotonic()); None means "until `check` raises", for idle waits on work."""
+    words = seg.words
+    spin_end = time.perf_counter() + spin_s
+    while time.perf_counter() < spin_end:
+        value = words[index]
+        if value != old:
+            return value
+    addr = seg.word_addr(index)
+    while True:
+        value = words[index]
+        if value != old:
+            return value
+        check()
+        slice_s = SLICE_S
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError
+            slice_s = min(slice_s, left)
+        futex_wait(addr, old, slice_s)

@@ -1,0 +1,1 @@
+"""Engine-neutral FFN semantics of model families: architecture -> per-layer FFN spec."""

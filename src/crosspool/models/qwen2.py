@@ -1,0 +1,6 @@
+"""Qwen2ForCausalLM: its MLP has Llama's layout and checkpoint keys."""
+
+from crosspool.models.llama import ffn_layers
+
+ARCHITECTURES = ("Qwen2ForCausalLM",)
+__all__ = ["ARCHITECTURES", "ffn_layers"]

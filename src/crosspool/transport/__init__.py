@@ -1,0 +1,1 @@
+"""Transport: the mailbox between one Instance rank and its AtnAgent (shared memory on CPU)."""
