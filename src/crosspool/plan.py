@@ -7,7 +7,9 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
+from crosspool.agents.ffn.dense import ActivationMath
 from crosspool.config import ConfigError, Deployment
+from crosspool.integrations import launcher
 from crosspool.ipc import SHM_PREFIX
 from crosspool.models.spec import ModelFfnSpec, ModelSpecError, load_ffn_spec
 
@@ -25,6 +27,8 @@ class ModelPlan(_Frozen):
     num_layers: int
     atn_agent: str
     ffn_agent: str
+    activation_math: ActivationMath
+    """The FFN activation precision of the Instance's execution mode (engine-specific, see dense.py)."""
 
 
 class MailboxPlan(_Frozen):
@@ -92,7 +96,8 @@ def build_plan(deployment: Deployment, specs: dict[str, ModelFfnSpec], source: s
         atn, ffn = deployment.attention_of(m), deployment.ffn_of(m)
         models.append(
             ModelPlan(id=m.id, path=m.path, engine=m.engine, dtype=m.dtype, hidden=spec.hidden,
-                      num_layers=len(spec.layers), atn_agent=atn, ffn_agent=ffn)
+                      num_layers=len(spec.layers), atn_agent=atn, ffn_agent=ffn,
+                      activation_math=launcher(m.engine).activation_math(m))
         )
         mailboxes.append(
             MailboxPlan(index=len(mailboxes), name=f"{prefix}mb-{m.id}-r0", model=m.id, rank=0,
@@ -123,7 +128,6 @@ def plan_deployment(path: Path) -> tuple[Deployment, dict[str, ModelFfnSpec], Pl
     """Everything that must hold before any process starts: schema, engine options, model
     specs, FFN memory budgets. Raises ConfigError listing every problem found."""
     from crosspool.config import load_deployment
-    from crosspool.integrations import launcher
 
     source = str(path)
     deployment = load_deployment(path)

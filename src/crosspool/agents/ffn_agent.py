@@ -31,7 +31,7 @@ class FfnAgent:
         self.layers: dict[str, list[GatedDenseFfn]] = {}
         for model_id in me.models:
             model = plan.model(model_id)
-            self.layers[model_id] = load_dense_layers(load_ffn_spec(model.path), model.dtype)
+            self.layers[model_id] = load_dense_layers(load_ffn_spec(model.path), model.dtype, model.activation_math)
         proc.log(f"loaded FFN weights of {me.models} ({me.weight_bytes / 2**20:.1f} MiB) in {time.monotonic() - start:.1f} s")
         self.mailboxes: dict[int, Mailbox] = {}
         self.rings = [Ring.create(plan.ring_name(atn, proc.id)) for atn in plan.atn_agents]

@@ -5,14 +5,20 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from crosspool.config import ModelConfig
 from crosspool.integrations.vllm.options import engine_arg_problems
 
 ENGINE = "vllm"
 VERSION = "0.32.0"
-__all__ = ["ENGINE", "VERSION", "engine_arg_problems", "engine_env", "server_command"]
+__all__ = ["ENGINE", "VERSION", "activation_math", "engine_arg_problems", "engine_env", "server_command"]
+
+
+def activation_math(model: ModelConfig) -> Literal["fp32", "dtype"]:
+    """vLLM on x86 CPU: eager runs SiluAndMul.forward_native in the model dtype (two roundings);
+    compile mode lets inductor fuse it in fp32 (model_executor/layers/activation.py, forward_cpu)."""
+    return "dtype" if model.enforce_eager else "fp32"
 
 
 def cache_root(crosspool_enabled: bool) -> Path:

@@ -49,8 +49,11 @@ def generate_in_child(
         job = {"model": model.model_dump(mode="json"), "max_batched_tokens": max_batched_tokens,
                "batches": batches, "max_tokens": max_tokens, "out": str(out)}
         job_file.write_text(json.dumps(job))
-        proc = subprocess.Popen([sys.executable, "-m", __name__, str(job_file)], env=engine_env(model, plan_path),
-                                start_new_session=True)
+        # An in-process EngineCore steps only when generate() drives it, so every request of a
+        # batch is scheduled together: batch composition (and with it the bf16 arithmetic of
+        # every kernel) no longer depends on how fast requests reach a busy engine.
+        env = {**engine_env(model, plan_path), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+        proc = subprocess.Popen([sys.executable, "-m", __name__, str(job_file)], env=env, start_new_session=True)
         try:
             code = proc.wait(timeout=timeout_s)
         finally:

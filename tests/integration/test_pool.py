@@ -1,0 +1,93 @@
+"""The FFN pool without an engine: real FfnAgent/AtnAgent processes, real shared memory; the test
+process plays the Instance rank."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from crosspool.agents.ffn.weights import load_dense_layers
+from crosspool.config import parse_deployment
+from crosspool.daemon.serve import RunningDeployment
+from crosspool.models.spec import load_ffn_spec
+from crosspool.plan import build_plan, resolve_specs
+from crosspool.transport.mailbox import RankTransport
+
+
+@pytest.fixture
+def pool(tiny_models, no_leftovers):
+    d = parse_deployment(f'''
+[limits]
+max_batched_tokens = 256
+ffn_timeout_s = 2
+[[model]]
+id = "q"
+path = "{tiny_models["qwen3"]}"
+engine = "vllm"
+''')
+    plan = build_plan(d, resolve_specs(d, "t"), "t")
+    run = RunningDeployment(d, plan)
+    try:
+        run.start_pool(time.monotonic() + 60)
+        mb = plan.mailboxes[0]
+        yield run, RankTransport(mb.name, mb.atn_agent, plan.ffn_timeout_s), load_dense_layers(load_ffn_spec(tiny_models["qwen3"]), "bfloat16", "fp32")
+    finally:
+        run.close()
+
+
+def _member(run: RunningDeployment, role: str):
+    return next(m for m in run.sup.members if m.name.startswith(role))
+
+
+def test_layer_calls_match_in_process_ffn(pool):
+    run, rank, reference = pool
+    torch.manual_seed(0)
+    for rows in (1, 3, 64, 256):
+        for layer in (0, 1):
+            x = torch.randn(rows, 128, dtype=torch.bfloat16)
+            out = torch.empty_like(x)
+            rank.call(layer, x, out)
+            assert torch.equal(out, reference[layer](x))
+
+
+def test_oversized_call_is_refused(pool):
+    _, rank, _ = pool
+    x = torch.zeros(257, 128, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="carries 257 rows; the mailbox holds 256"):
+        rank.call(0, x, torch.empty_like(x))
+
+
+def test_dead_ffn_agent_is_named(pool):
+    run, rank, _ = pool
+    os.kill(_member(run, "FfnAgent").proc.pid, signal.SIGKILL)
+    x = torch.zeros(4, 128, dtype=torch.bfloat16)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"FFN pool failed: FfnAgent 'ffn0' \(pid \d+\) exited during layer 1 of q"):
+        rank.call(1, x, torch.empty_like(x))
+    assert time.monotonic() - start < 2
+
+
+def test_silent_ffn_agent_times_out(pool):
+    run, rank, _ = pool
+    pid = _member(run, "FfnAgent").proc.pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        x = torch.zeros(4, 128, dtype=torch.bfloat16)
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match="FfnAgent 'ffn0' did not answer within 2 s during layer 0"):
+            rank.call(0, x, torch.empty_like(x))
+        assert time.monotonic() - start < 5
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+def test_dead_atn_agent_is_named(pool):
+    run, rank, _ = pool
+    os.kill(_member(run, "AtnAgent").proc.pid, signal.SIGKILL)
+    x = torch.zeros(4, 128, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"FFN pool unreachable: AtnAgent 'atn0' \(pid \d+\) exited"):
+        rank.call(0, x, torch.empty_like(x))

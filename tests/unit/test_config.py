@@ -1,0 +1,96 @@
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from crosspool.config import ConfigError, parse_deployment
+
+
+def _toml(path: Path, extra: str = "", model_extra: str = "") -> str:
+    return f'''
+name = "t"
+{extra}
+[[model]]
+id = "m"
+path = "{path}"
+engine = "vllm"
+{model_extra}
+'''
+
+
+def test_valid_defaults(tiny_models):
+    d = parse_deployment(_toml(tiny_models["qwen3"]))
+    assert d.model[0].dtype == "bfloat16"
+    assert d.attention_of(d.model[0]) == "atn0" and d.ffn_of(d.model[0]) == "ffn0"
+    assert d.digest() == parse_deployment(_toml(tiny_models["qwen3"])).digest()
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("[[model]\nid=", "malformed TOML"),
+        (_toml(Path("/nonexistent/m")), "model[0].path: model path does not exist: '/nonexistent/m'"),
+        (_toml(Path("/tmp"), model_extra='dtype = "int4"'), "model[0].dtype"),
+        (_toml(Path("/tmp"), model_extra="bogus = 1"), "model[0].bogus: Extra inputs are not permitted (got 1)"),
+    ],
+)
+def test_errors_name_field_and_value(text, needle):
+    with pytest.raises(ConfigError) as e:
+        parse_deployment(text)
+    assert needle in str(e.value)
+
+
+def test_unknown_references(tiny_models):
+    with pytest.raises(ConfigError, match="unknown agent 'nope'"):
+        parse_deployment(_toml(tiny_models["qwen3"], model_extra='ffn_agent = "nope"'))
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "crosspool", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_config_check_prints_resolved(tmp_path, tiny_models):
+    f = tmp_path / "d.toml"
+    f.write_text(_toml(tiny_models["qwen3"]))
+    r = _cli("config", "check", str(f))
+    assert r.returncode == 0, r.stderr
+    resolved = json.loads(r.stdout)
+    assert resolved["ffn"]["m"]["architecture"] == "Qwen3ForCausalLM"
+    assert resolved["ffn"]["m"]["layers"] == 2
+    assert resolved["model"][0]["max_model_len"] == 2048
+
+
+def _single_error(r: subprocess.CompletedProcess) -> str:
+    assert r.returncode != 0
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith("crosspool: error: ")
+    return lines[0]
+
+
+@pytest.mark.parametrize("command", ["serve", "config check"])
+def test_bad_inputs_fail_with_one_line(tmp_path, tiny_models, command, no_leftovers):
+    unsupported = tmp_path / "unsupported"
+    unsupported.mkdir()
+    (unsupported / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    cases = {
+        "malformed.toml": ("[[model]\n", "malformed TOML"),
+        "nopath.toml": (_toml(tmp_path / "missing"), "model path does not exist"),
+        "arch.toml": (_toml(unsupported), "architecture ['GPT2LMHeadModel'] is not supported; supported: LlamaForCausalLM"),
+        "option.toml": (_toml(tiny_models["qwen3"], model_extra="engine_args = { enable_lora = true }"),
+                        "engine_args.enable_lora: not supported with CrossPool"),
+    }
+    for name, (text, needle) in cases.items():
+        f = tmp_path / name
+        f.write_text(text)
+        line = _single_error(_cli(*command.split(), str(f)))
+        assert needle in line, line
+
+
+def test_memory_budget_refused_with_amount(tmp_path, tiny_models):
+    f = tmp_path / "d.toml"
+    f.write_text(_toml(tiny_models["qwen3"], extra="[[ffn_agent]]\nid = \"ffn0\"\nmemory_gib = 0.0001"))
+    line = _single_error(_cli("config", "check", str(f)))
+    assert "ffn_agent[0].memory_gib" in line and "GiB over the budget" in line

@@ -1,0 +1,40 @@
+import json
+
+import pytest
+
+from crosspool.models.spec import ModelSpecError, load_ffn_spec
+
+
+def test_tiny_qwen3_spec(tiny_models):
+    spec = load_ffn_spec(tiny_models["qwen3"])
+    assert spec.architecture == "Qwen3ForCausalLM"
+    assert len(spec.layers) == 2 and spec.hidden == 128
+    layer = spec.layers[1]
+    assert (layer.intermediate, layer.activation) == (256, "silu")
+    assert layer.keys == tuple(f"model.layers.1.mlp.{n}_proj.weight" for n in ("gate", "up", "down"))
+    assert spec.weight_bytes("bfloat16") == 2 * 3 * 128 * 256 * 2
+
+
+def test_smollm2_spec(smollm2):
+    spec = load_ffn_spec(smollm2)
+    assert (spec.architecture, spec.hidden, len(spec.layers), spec.layers[0].intermediate) == ("LlamaForCausalLM", 576, 30, 1536)
+
+
+def test_missing_tensor_is_named(tmp_path, tiny_models):
+    src = tiny_models["llama"]
+    (tmp_path / "config.json").write_text((src / "config.json").read_text())
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(src / "model.safetensors")
+    del state["model.layers.1.mlp.up_proj.weight"]
+    save_file(state, tmp_path / "model.safetensors")
+    with pytest.raises(ModelSpecError, match=r"lacks FFN tensors \['model.layers.1.mlp.up_proj.weight'\]"):
+        load_ffn_spec(tmp_path)
+
+
+def test_unsupported_activation(tmp_path, tiny_models):
+    config = json.loads((tiny_models["llama"] / "config.json").read_text())
+    config["hidden_act"] = "gelu"
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelSpecError, match="hidden_act 'gelu' is not supported"):
+        load_ffn_spec(tmp_path)
