@@ -36,5 +36,6 @@ def test_unsupported_activation(tmp_path, tiny_models):
     config = json.loads((tiny_models["llama"] / "config.json").read_text())
     config["hidden_act"] = "gelu"
     (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "model.safetensors").symlink_to(tiny_models["llama"] / "model.safetensors")
     with pytest.raises(ModelSpecError, match="hidden_act 'gelu' is not supported"):
         load_ffn_spec(tmp_path)

@@ -21,6 +21,7 @@ DONE_MARKER = ".crosspool-complete"
 def _save_checkpoint(model: torch.nn.Module, out: Path, dtype: torch.dtype) -> None:
     config = model.config.to_dict()
     config.pop("quantization_config", None)
+    config["architectures"] = config.get("architectures") or [type(model).__name__]
     config["torch_dtype"] = str(dtype).removeprefix("torch.")
     config.pop("dtype", None)
     (out / "config.json").write_text(json.dumps(config, indent=2))

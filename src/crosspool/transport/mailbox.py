@@ -27,6 +27,7 @@ ERR_OFFSET, ERR_CAPACITY = 256, 1024
 DATA_OFFSET = 4096
 
 STATUS_OK, STATUS_ERROR = 0, 1
+RANK_TIMEOUT_MARGIN_S = 1.0
 
 
 def mailbox_size(max_rows: int, hidden: int, dtype: str) -> int:
@@ -120,14 +121,16 @@ class RankTransport:
         self.seq = (self.seq + 1) & 0xFFFFFFFF
         w[W_REQ_SEQ] = self.seq
         futex_wake(mb.seg.word_addr(W_REQ_SEQ))
-        deadline = time.monotonic() + self.timeout_s
+        # The AtnAgent bounds the FFN side by timeout_s and names it; the rank's own bound is
+        # the backstop for a silent AtnAgent, so it must fire later.
+        deadline = time.monotonic() + self.timeout_s + RANK_TIMEOUT_MARGIN_S
         old = w[W_RESP_SEQ]
         while old != self.seq:
             try:
                 old = wait_word_change(mb.seg, W_RESP_SEQ, old, deadline=deadline, check=self._check_atn)
             except TimeoutError:
                 raise RuntimeError(
-                    f"FFN pool did not answer layer {layer} ({rows} rows) within {self.timeout_s:g} s "
+                    f"FFN pool did not answer layer {layer} ({rows} rows) within {self.timeout_s + RANK_TIMEOUT_MARGIN_S:g} s "
                     f"(AtnAgent {self.atn.name!r} {'alive' if self.atn.alive() else 'exited'})"
                 ) from None
         if w[W_STATUS] != STATUS_OK:
