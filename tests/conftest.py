@@ -36,9 +36,15 @@ def project_processes() -> list[str]:
     out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
     mine = str(os.getpid())
     return [
-        line for line in out.splitlines()[1:]
-        if ("crosspool.agents" in line or "vllm.entrypoints" in line or "VLLM::" in line
-            or "crosspool.integrations.vllm.offline" in line) and line.split()[0] != mine
+        line
+        for line in out.splitlines()[1:]
+        if (
+            "crosspool.agents" in line
+            or "vllm.entrypoints" in line
+            or "VLLM::" in line
+            or "crosspool.integrations.vllm.offline" in line
+        )
+        and line.split()[0] != mine
     ]
 
 

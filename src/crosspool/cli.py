@@ -27,7 +27,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_config_check(args: argparse.Namespace) -> int:
     from crosspool.plan import plan_deployment
 
-    deployment, specs, plan = plan_deployment(args.file)
+    deployment, specs, _ = plan_deployment(args.file)
     resolved = deployment.model_dump(mode="json")
     resolved["digest"] = deployment.digest()
     resolved["ffn"] = {
@@ -66,11 +66,21 @@ def cmd_models_spec(args: argparse.Namespace) -> int:
     except ModelSpecError as e:
         return _fail(f"{args.path}: {e}")
     first = spec.layers[0]
-    print(json.dumps({
-        "architecture": spec.architecture, "hidden": spec.hidden, "layers": len(spec.layers),
-        "kind": "gated_dense", "activation": first.activation, "intermediate": first.intermediate,
-        "layer0_keys": list(first.keys), "ffn_weight_mib_bf16": round(spec.weight_bytes("bfloat16") / 2**20, 2),
-    }, indent=2))
+    print(
+        json.dumps(
+            {
+                "architecture": spec.architecture,
+                "hidden": spec.hidden,
+                "layers": len(spec.layers),
+                "kind": "gated_dense",
+                "activation": first.activation,
+                "intermediate": first.intermediate,
+                "layer0_keys": list(first.keys),
+                "ffn_weight_mib_bf16": round(spec.weight_bytes("bfloat16") / 2**20, 2),
+            },
+            indent=2,
+        )
+    )
     return 0
 
 

@@ -80,7 +80,11 @@ class Deployment(_Strict):
 
     @model_validator(mode="after")
     def _references(self) -> Deployment:
-        for kind, items in (("attention_device", self.attention_device), ("ffn_agent", self.ffn_agent), ("model", self.model)):
+        for kind, items in (
+            ("attention_device", self.attention_device),
+            ("ffn_agent", self.ffn_agent),
+            ("model", self.model),
+        ):
             ids = [item.id for item in items]
             if not ids and kind != "model":
                 raise ValueError(f"{kind}: at least one is required")
@@ -91,7 +95,9 @@ class Deployment(_Strict):
         ffn_ids = {f.id for f in self.ffn_agent}
         for i, m in enumerate(self.model):
             if m.attention_device is not None and m.attention_device not in atn_ids:
-                raise ValueError(f"model[{i}].attention_device: unknown device {m.attention_device!r} (known: {sorted(atn_ids)})")
+                raise ValueError(
+                    f"model[{i}].attention_device: unknown device {m.attention_device!r} (known: {sorted(atn_ids)})"
+                )
             if m.ffn_agent is not None and m.ffn_agent not in ffn_ids:
                 raise ValueError(f"model[{i}].ffn_agent: unknown agent {m.ffn_agent!r} (known: {sorted(ffn_ids)})")
         return self

@@ -90,19 +90,37 @@ def resolve_specs(deployment: Deployment, source: str) -> dict[str, ModelFfnSpec
 def build_plan(deployment: Deployment, specs: dict[str, ModelFfnSpec], source: str, *, generation: int = 1) -> Plan:
     token = secrets.token_hex(4)
     prefix = f"{SHM_PREFIX}{token}-"
-    models, mailboxes, problems = [], [], []
+    models: list[ModelPlan] = []
+    mailboxes: list[MailboxPlan] = []
+    problems: list[str] = []
     for m in deployment.model:
         spec = specs[m.id]
         atn, ffn = deployment.attention_of(m), deployment.ffn_of(m)
         models.append(
-            ModelPlan(id=m.id, path=m.path, engine=m.engine, dtype=m.dtype, hidden=spec.hidden,
-                      num_layers=len(spec.layers), atn_agent=atn, ffn_agent=ffn,
-                      activation_math=launcher(m.engine).activation_math(m))
+            ModelPlan(
+                id=m.id,
+                path=m.path,
+                engine=m.engine,
+                dtype=m.dtype,
+                hidden=spec.hidden,
+                num_layers=len(spec.layers),
+                atn_agent=atn,
+                ffn_agent=ffn,
+                activation_math=launcher(m.engine).activation_math(m),
+            )
         )
         mailboxes.append(
-            MailboxPlan(index=len(mailboxes), name=f"{prefix}mb-{m.id}-r0", model=m.id, rank=0,
-                        atn_agent=atn, ffn_agent=ffn, max_rows=deployment.limits.max_batched_tokens,
-                        hidden=spec.hidden, dtype=m.dtype)
+            MailboxPlan(
+                index=len(mailboxes),
+                name=f"{prefix}mb-{m.id}-r0",
+                model=m.id,
+                rank=0,
+                atn_agent=atn,
+                ffn_agent=ffn,
+                max_rows=deployment.limits.max_batched_tokens,
+                hidden=spec.hidden,
+                dtype=m.dtype,
+            )
         )
     agents = []
     for i, agent in enumerate(deployment.ffn_agent):
@@ -114,13 +132,21 @@ def build_plan(deployment: Deployment, specs: dict[str, ModelFfnSpec], source: s
                 f"ffn_agent[{i}].memory_gib: FFN weights of {[m.id for m in placed]} need "
                 f"{need / 2**30:.2f} GiB, {(need - budget) / 2**30:.2f} GiB over the budget (got {agent.memory_gib})"
             )
-        agents.append(FfnAgentPlan(id=agent.id, threads=agent.threads, models=[m.id for m in placed], weight_bytes=need))
+        agents.append(
+            FfnAgentPlan(id=agent.id, threads=agent.threads, models=[m.id for m in placed], weight_bytes=need)
+        )
     if problems:
         raise ConfigError(source, problems)
     return Plan(
-        deployment=deployment.name, digest=deployment.digest(), token=token, generation=generation,
-        ffn_timeout_s=deployment.limits.ffn_timeout_s, models=models,
-        atn_agents=[a.id for a in deployment.attention_device], ffn_agents=agents, mailboxes=mailboxes,
+        deployment=deployment.name,
+        digest=deployment.digest(),
+        token=token,
+        generation=generation,
+        ffn_timeout_s=deployment.limits.ffn_timeout_s,
+        models=models,
+        atn_agents=[a.id for a in deployment.attention_device],
+        ffn_agents=agents,
+        mailboxes=mailboxes,
     )
 
 

@@ -34,7 +34,11 @@ engine = "vllm"
     try:
         run.start_pool(time.monotonic() + 60)
         mb = plan.mailboxes[0]
-        yield run, RankTransport(mb.name, mb.atn_agent, plan.ffn_timeout_s), load_dense_layers(load_ffn_spec(tiny_models["qwen3"]), "bfloat16", "fp32")
+        yield (
+            run,
+            RankTransport(mb.name, mb.atn_agent, plan.ffn_timeout_s),
+            load_dense_layers(load_ffn_spec(tiny_models["qwen3"]), "bfloat16", "fp32"),
+        )
     finally:
         run.close()
 
@@ -44,7 +48,7 @@ def _member(run: RunningDeployment, role: str):
 
 
 def test_layer_calls_match_in_process_ffn(pool):
-    run, rank, reference = pool
+    _, rank, reference = pool
     torch.manual_seed(0)
     for rows in (1, 3, 64, 256):
         for layer in (0, 1):

@@ -35,8 +35,12 @@ engine = "vllm"
 max_model_len = 1024
 enforce_eager = {str(eager).lower()}
 ''')
-        self.proc = subprocess.Popen([sys.executable, "-m", "crosspool", "serve", str(self.file)],
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "crosspool", "serve", str(self.file)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         self.stderr: list[str] = []
         threading.Thread(target=lambda: self.stderr.extend(self.proc.stderr), daemon=True).start()
         ready = self.proc.stdout.readline()  # the ready line, or EOF if serve failed
@@ -65,10 +69,16 @@ def test_chat_paris_and_clean_stop(tmp_path, smollm2, no_leftovers):
     try:
         models = httpx.get(served.url + "/v1/models").json()
         assert [m["id"] for m in models["data"]] == ["smollm2-135m"]
-        r = httpx.post(served.url + "/v1/chat/completions", timeout=120, json={
-            "model": "smollm2-135m", "temperature": 0, "max_tokens": 24,
-            "messages": [{"role": "user", "content": "What is the capital of France?"}],
-        })
+        r = httpx.post(
+            served.url + "/v1/chat/completions",
+            timeout=120,
+            json={
+                "model": "smollm2-135m",
+                "temperature": 0,
+                "max_tokens": 24,
+                "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            },
+        )
         assert r.status_code == 200, r.text
         assert "Paris" in r.json()["choices"][0]["message"]["content"]
         r = httpx.post(served.url + "/v1/completions", json={"model": "nope", "prompt": "x"})
@@ -85,10 +95,17 @@ def test_killed_ffn_agent_fails_request_and_deployment(tmp_path, smollm2, no_lef
 
         def long_request() -> None:
             start = time.monotonic()
-            r = httpx.post(served.url + "/v1/completions", timeout=60, json={
-                "model": "smollm2-135m", "prompt": "Once upon a time", "max_tokens": 900,
-                "temperature": 0, "ignore_eos": True,
-            })
+            r = httpx.post(
+                served.url + "/v1/completions",
+                timeout=60,
+                json={
+                    "model": "smollm2-135m",
+                    "prompt": "Once upon a time",
+                    "max_tokens": 900,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                },
+            )
             result.update(status=r.status_code, body=r.text, seconds=time.monotonic() - start)
 
         t = threading.Thread(target=long_request)

@@ -78,9 +78,14 @@ def test_bad_inputs_fail_with_one_line(tmp_path, tiny_models, command, no_leftov
     cases = {
         "malformed.toml": ("[[model]\n", "malformed TOML"),
         "nopath.toml": (_toml(tmp_path / "missing"), "model path does not exist"),
-        "arch.toml": (_toml(unsupported), "architecture ['GPT2LMHeadModel'] is not supported; supported: LlamaForCausalLM"),
-        "option.toml": (_toml(tiny_models["qwen3"], model_extra="engine_args = { enable_lora = true }"),
-                        "engine_args.enable_lora: not supported with CrossPool"),
+        "arch.toml": (
+            _toml(unsupported),
+            "architecture ['GPT2LMHeadModel'] is not supported; supported: LlamaForCausalLM",
+        ),
+        "option.toml": (
+            _toml(tiny_models["qwen3"], model_extra="engine_args = { enable_lora = true }"),
+            "engine_args.enable_lora: not supported with CrossPool",
+        ),
     }
     for name, (text, needle) in cases.items():
         f = tmp_path / name
@@ -91,6 +96,6 @@ def test_bad_inputs_fail_with_one_line(tmp_path, tiny_models, command, no_leftov
 
 def test_memory_budget_refused_with_amount(tmp_path, tiny_models):
     f = tmp_path / "d.toml"
-    f.write_text(_toml(tiny_models["qwen3"], extra="[[ffn_agent]]\nid = \"ffn0\"\nmemory_gib = 0.0001"))
+    f.write_text(_toml(tiny_models["qwen3"], extra='[[ffn_agent]]\nid = "ffn0"\nmemory_gib = 0.0001'))
     line = _single_error(_cli("config", "check", str(f)))
     assert "ffn_agent[0].memory_gib" in line and "GiB over the budget" in line

@@ -17,7 +17,12 @@ def test_tiny_qwen3_spec(tiny_models):
 
 def test_smollm2_spec(smollm2):
     spec = load_ffn_spec(smollm2)
-    assert (spec.architecture, spec.hidden, len(spec.layers), spec.layers[0].intermediate) == ("LlamaForCausalLM", 576, 30, 1536)
+    assert (spec.architecture, spec.hidden, len(spec.layers), spec.layers[0].intermediate) == (
+        "LlamaForCausalLM",
+        576,
+        30,
+        1536,
+    )
 
 
 def test_missing_tensor_is_named(tmp_path, tiny_models):

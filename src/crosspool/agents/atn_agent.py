@@ -62,7 +62,7 @@ class AtnAgent:
                     self.proc.log(f"error: {reason} during layer {layer} of {mplan.model}")
         except InterruptedError:
             return
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             self.proc.fail(f"mailbox thread for {mplan.model} rank {mplan.rank} crashed: {e!r}")
 
     def run(self) -> None:

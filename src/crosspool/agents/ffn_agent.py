@@ -32,7 +32,9 @@ class FfnAgent:
         for model_id in me.models:
             model = plan.model(model_id)
             self.layers[model_id] = load_dense_layers(load_ffn_spec(model.path), model.dtype, model.activation_math)
-        proc.log(f"loaded FFN weights of {me.models} ({me.weight_bytes / 2**20:.1f} MiB) in {time.monotonic() - start:.1f} s")
+        proc.log(
+            f"loaded FFN weights of {me.models} ({me.weight_bytes / 2**20:.1f} MiB) in {time.monotonic() - start:.1f} s"
+        )
         self.mailboxes: dict[int, Mailbox] = {}
         self.rings = [Ring.create(plan.ring_name(atn, proc.id)) for atn in plan.atn_agents]
 
@@ -51,8 +53,10 @@ class FfnAgent:
             if not 0 <= inv.layer < len(layers):
                 raise RuntimeError(f"layer {inv.layer} out of range for {mplan.model} ({len(layers)} layers)")
             mb.output[: inv.rows].copy_(layers[inv.layer](mb.input[: inv.rows]))
-        except Exception as e:  # noqa: BLE001 — any failure becomes the caller's error, named
-            mb.reply(inv.call_seq, STATUS_ERROR, f"FfnAgent {self.proc.id!r} failed layer {inv.layer} of {mplan.model}: {e}")
+        except Exception as e:
+            mb.reply(
+                inv.call_seq, STATUS_ERROR, f"FfnAgent {self.proc.id!r} failed layer {inv.layer} of {mplan.model}: {e}"
+            )
         else:
             mb.reply(inv.call_seq, STATUS_OK)
         ring.complete(seq)
@@ -75,7 +79,7 @@ class FfnAgent:
                     self.execute(ring, done)
         except InterruptedError:
             return
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             self.proc.fail(f"executor for {ring.seg.name} crashed: {e!r}")
 
     def run(self) -> None:

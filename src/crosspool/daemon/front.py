@@ -70,8 +70,9 @@ def create_front(upstreams: dict[str, str], failure: Callable[[], str | None], r
             return _error(400, "request body must be a JSON object with a 'model' field", "invalid_request_error")
         if model not in upstreams:
             return _error(404, f"model {model!r} is not served; served models: {sorted(upstreams)}", "not_found_error")
-        upstream = client.build_request("POST", upstreams[model] + path, content=body,
-                                        headers={"content-type": "application/json"})
+        upstream = client.build_request(
+            "POST", upstreams[model] + path, content=body, headers={"content-type": "application/json"}
+        )
         try:
             resp = await client.send(upstream, stream=True)
         except httpx.HTTPError as e:
@@ -91,7 +92,8 @@ def create_front(upstreams: dict[str, str], failure: Callable[[], str | None], r
                     yield chunk
             except httpx.HTTPError as e:
                 reason = await named_failure() or f"engine stream broke: {e}"
-                yield f"data: {json.dumps({'error': {'message': f'CrossPool deployment failed: {reason}'}})}\n\n".encode()
+                event = {"error": {"message": f"CrossPool deployment failed: {reason}"}}
+                yield f"data: {json.dumps(event)}\n\n".encode()
             finally:
                 await resp.aclose()
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import httpx
 import uvicorn
+from fastapi import FastAPI
 
 from crosspool.config import Deployment
 from crosspool.daemon.front import create_front
@@ -60,13 +61,15 @@ class RunningDeployment:
         self.stop = threading.Event()
         self.engines: dict[str, tuple[Member, str]] = {}
         self.front: uvicorn.Server | None = None
-        self.front_app = None
+        self.front_app: FastAPI | None = None
 
     def _deadline_check(self, deadline: float, what: str) -> None:
         if self.stop.is_set():
             raise StartupError("interrupted during startup")
         if time.monotonic() > deadline:
-            raise StartupError(f"{what} not ready within limits.startup_timeout_s = {self.deployment.limits.startup_timeout_s:g}")
+            raise StartupError(
+                f"{what} not ready within limits.startup_timeout_s = {self.deployment.limits.startup_timeout_s:g}"
+            )
         dead = self.sup.exited()
         if dead is not None:
             errors = self.sup.agent_errors()
@@ -83,13 +86,23 @@ class RunningDeployment:
         """FfnAgents, then AtnAgents: after this the FFN pool executes layer calls."""
         plan = self.plan
         for agent in plan.ffn_agents:
-            member, fd = self.sup.start(f"FfnAgent '{agent.id}'", _agent_argv("ffn_agent", self.plan_path, agent.id),
-                                        _agent_env(), stop_order=STOP_FFN, ready_pipe=True)
+            member, fd = self.sup.start(
+                f"FfnAgent '{agent.id}'",
+                _agent_argv("ffn_agent", self.plan_path, agent.id),
+                _agent_env(),
+                stop_order=STOP_FFN,
+                ready_pipe=True,
+            )
             assert fd is not None
             self.sup.wait_ready_pipe(member, fd, deadline)
         for atn in plan.atn_agents:
-            member, fd = self.sup.start(f"AtnAgent '{atn}'", _agent_argv("atn_agent", self.plan_path, atn),
-                                        _agent_env(), stop_order=STOP_ATN, ready_pipe=True)
+            member, fd = self.sup.start(
+                f"AtnAgent '{atn}'",
+                _agent_argv("atn_agent", self.plan_path, atn),
+                _agent_env(),
+                stop_order=STOP_ATN,
+                ready_pipe=True,
+            )
             assert fd is not None
             self.sup.wait_ready_pipe(member, fd, deadline)
 
@@ -99,8 +112,9 @@ class RunningDeployment:
             engine = launcher(model.engine)
             port = free_port(d.host)
             argv = engine.server_command(model, d.limits.max_batched_tokens, d.host, port)
-            member, _ = self.sup.start(f"vLLM instance '{model.id}'", argv, engine.engine_env(model, self.plan_path),
-                                       stop_order=STOP_ENGINE)
+            member, _ = self.sup.start(
+                f"vLLM instance '{model.id}'", argv, engine.engine_env(model, self.plan_path), stop_order=STOP_ENGINE
+            )
             self.engines[model.id] = (member, f"http://{d.host}:{port}")
         for model_id, (_, url) in self.engines.items():
             self._wait_engine(model_id, url, deadline)
@@ -118,7 +132,8 @@ class RunningDeployment:
                     if not all(mb.rank_attached() for mb in mailboxes):
                         raise StartupError(
                             f"vLLM instance '{model_id}' is serving but its ranks never attached to the FFN pool: "
-                            "the CrossPool vLLM plugin is not active in the engine (is crosspool installed in its environment?)"
+                            "the CrossPool vLLM plugin is not active in the engine "
+                            "(is crosspool installed in the engine's environment?)"
                         )
                     return
                 time.sleep(0.5)
@@ -178,8 +193,11 @@ def serve(deployment: Deployment, plan: Plan) -> int:
     try:
         run.start()
         d = deployment
-        print(f"crosspool: ready in {time.monotonic() - started:.1f} s: http://{d.host}:{d.port}/v1 serving "
-              f"{', '.join(m.id for m in d.model)} (generation {plan.generation})", flush=True)
+        print(
+            f"crosspool: ready in {time.monotonic() - started:.1f} s: http://{d.host}:{d.port}/v1 serving "
+            f"{', '.join(m.id for m in d.model)} (generation {plan.generation})",
+            flush=True,
+        )
         run.supervise()
         if run.sup.failure is None:
             run.sup.log("stopping (signal)")

@@ -9,6 +9,7 @@ vLLM processes) are removed, so nothing stays behind.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -65,15 +66,22 @@ class Supervisor:
                 member.errors.append(line.split("] error: ", 1)[1])
             print(f"{member.name}| {line}", file=sys.stderr, flush=True)
 
-    def start(self, name: str, argv: list[str], env: dict[str, str], *, stop_order: int, ready_pipe: bool = False) -> tuple[Member, int | None]:
+    def start(
+        self, name: str, argv: list[str], env: dict[str, str], *, stop_order: int, ready_pipe: bool = False
+    ) -> tuple[Member, int | None]:
         """Start a member; with `ready_pipe` it gets --ready-fd and the read end is returned."""
         read_fd = write_fd = None
         if ready_pipe:
             read_fd, write_fd = os.pipe()
             argv = [*argv, "--ready-fd", str(write_fd)]
         proc = subprocess.Popen(
-            argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            start_new_session=True, pass_fds=(write_fd,) if write_fd is not None else (),
+            argv,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            pass_fds=(write_fd,) if write_fd is not None else (),
         )
         if write_fd is not None:
             os.close(write_fd)
@@ -146,10 +154,8 @@ class Supervisor:
 
 
 def _signal_group(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def free_port(host: str) -> int:

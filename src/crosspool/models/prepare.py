@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
@@ -18,7 +19,7 @@ PREPARABLE = ("smollm2-135m",)
 DONE_MARKER = ".crosspool-complete"
 
 
-def _save_checkpoint(model: torch.nn.Module, out: Path, dtype: torch.dtype) -> None:
+def _save_checkpoint(model: Any, out: Path, dtype: torch.dtype) -> None:
     config = model.config.to_dict()
     config.pop("quantization_config", None)
     config["architectures"] = config.get("architectures") or [type(model).__name__]
@@ -78,10 +79,16 @@ def make_tiny_checkpoint(family: str, out: Path, *, seed: int = 0, layers: int =
         return out
     import transformers
 
-    common = dict(
-        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-        tie_word_embeddings=False, initializer_range=0.2,
+    common: dict[str, Any] = dict(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+        initializer_range=0.2,
     )
     configs = {
         "llama": lambda: transformers.LlamaConfig(**common, architectures=["LlamaForCausalLM"]),

@@ -129,8 +129,9 @@ class RankTransport:
             try:
                 old = wait_word_change(mb.seg, W_RESP_SEQ, old, deadline=deadline, check=self._check_atn)
             except TimeoutError:
+                bound = self.timeout_s + RANK_TIMEOUT_MARGIN_S
                 raise RuntimeError(
-                    f"FFN pool did not answer layer {layer} ({rows} rows) within {self.timeout_s + RANK_TIMEOUT_MARGIN_S:g} s "
+                    f"FFN pool did not answer layer {layer} ({rows} rows) within {bound:g} s "
                     f"(AtnAgent {self.atn.name!r} {'alive' if self.atn.alive() else 'exited'})"
                 ) from None
         if w[W_STATUS] != STATUS_OK:

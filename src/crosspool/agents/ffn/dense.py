@@ -14,12 +14,13 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-
 ActivationMath = Literal["fp32", "dtype"]
 
 
 class GatedDenseFfn:
-    def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, activation_math: ActivationMath) -> None:
+    def __init__(
+        self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, activation_math: ActivationMath
+    ) -> None:
         assert gate.shape == up.shape and down.shape == (gate.shape[1], gate.shape[0])
         self.intermediate = gate.shape[0]
         self.fp32_activation = activation_math == "fp32"

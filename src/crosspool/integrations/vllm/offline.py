@@ -32,7 +32,7 @@ def run(job: dict) -> dict:
     for batch in job["batches"]:
         prompts = [{"prompt_token_ids": p} for p in batch]
         start = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
+        outputs = llm.generate(prompts, params, use_tqdm=False)  # type: ignore[arg-type]
         seconds = time.perf_counter() - start
         tokens = [list(o.outputs[0].token_ids) for o in outputs]
         results["runs"].append({"tokens": tokens, "seconds": seconds, "generated": sum(map(len, tokens))})
@@ -40,14 +40,23 @@ def run(job: dict) -> dict:
 
 
 def generate_in_child(
-    model: ModelConfig, max_batched_tokens: int, batches: list[list[list[int]]], max_tokens: int,
-    plan_path: Path | None, timeout_s: float = 900.0,
+    model: ModelConfig,
+    max_batched_tokens: int,
+    batches: list[list[list[int]]],
+    max_tokens: int,
+    plan_path: Path | None,
+    timeout_s: float = 900.0,
 ) -> dict:
     """Run `run` in a fresh process (native vLLM when `plan_path` is None) and return its result."""
     with tempfile.TemporaryDirectory(prefix="crosspool-offline-") as tmp:
         job_file, out = Path(tmp) / "job.json", Path(tmp) / "out.json"
-        job = {"model": model.model_dump(mode="json"), "max_batched_tokens": max_batched_tokens,
-               "batches": batches, "max_tokens": max_tokens, "out": str(out)}
+        job = {
+            "model": model.model_dump(mode="json"),
+            "max_batched_tokens": max_batched_tokens,
+            "batches": batches,
+            "max_tokens": max_tokens,
+            "out": str(out),
+        }
         job_file.write_text(json.dumps(job))
         # An in-process EngineCore steps only when generate() drives it, so every request of a
         # batch is scheduled together: batch composition (and with it the bf16 arithmetic of

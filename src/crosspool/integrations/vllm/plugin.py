@@ -70,7 +70,9 @@ def _attach() -> None:
 class CrossPoolFfn(nn.Module):
     """Stands in for the family's MLP: no parameters; forward calls the FFN pool."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, *args: Any, prefix: str = "", **kwargs: Any) -> None:
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, hidden_act: str, *args: Any, prefix: str = "", **kwargs: Any
+    ) -> None:
         super().__init__()
         match = re.search(r"layers\.(\d+)\.", prefix + ".")
         assert match, f"cannot tell the layer index from module prefix {prefix!r}"
@@ -90,7 +92,9 @@ def _filter_ffn_weights(ffn_keys: frozenset[str]) -> None:
 
     native = DefaultModelLoader.get_all_weights
 
-    def get_all_weights(self: Any, model_config: Any, model: nn.Module) -> Generator[tuple[str, torch.Tensor], None, None]:
+    def get_all_weights(
+        self: Any, model_config: Any, model: nn.Module
+    ) -> Generator[tuple[str, torch.Tensor], None, None]:
         dropped = 0
         for name, tensor in native(self, model_config, model):
             if name in ffn_keys:
@@ -114,7 +118,7 @@ def register() -> None:
 
     from vllm.model_executor.models import llama, qwen2, qwen3
 
-    llama.LlamaMLP = CrossPoolFfn  # type: ignore[misc]
-    qwen2.Qwen2MLP = CrossPoolFfn  # type: ignore[misc]
-    qwen3.Qwen3MLP = CrossPoolFfn  # type: ignore[misc]
+    llama.LlamaMLP = CrossPoolFfn  # type: ignore[misc,assignment]
+    qwen2.Qwen2MLP = CrossPoolFfn  # type: ignore[misc,assignment]
+    qwen3.Qwen3MLP = CrossPoolFfn  # type: ignore[misc,assignment]
     _filter_ffn_weights(spec.ffn_keys)

@@ -1,0 +1,154 @@
+"""CrossPool overhead vs native vLLM: generation throughput at batch 1 and 16, and the latency
+of one Transport+Fabric round trip.
+
+    python -m crosspool.bench.overhead [--model DIR] [--dtype bfloat16] [--eager] [--repeats 3]
+
+Native and CrossPool engines run in the same invocation on the same prompts; the report gives
+medians and the CrossPool/native ratio (this machine is shared: compare ratios, not absolutes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from crosspool.agents.ffn.weights import load_dense_layers
+from crosspool.config import parse_deployment
+from crosspool.daemon.serve import RunningDeployment
+from crosspool.integrations.vllm.offline import generate_in_child
+from crosspool.models.spec import load_ffn_spec
+from crosspool.plan import build_plan, resolve_specs
+from crosspool.transport.mailbox import RankTransport
+
+
+def _deployment(model: Path, dtype: str, eager: bool, max_batched: int):
+    return parse_deployment(f'''
+[limits]
+max_batched_tokens = {max_batched}
+[[model]]
+id = "bench"
+path = "{model}"
+engine = "vllm"
+dtype = "{dtype}"
+max_model_len = 512
+max_num_seqs = 16
+enforce_eager = {str(eager).lower()}
+''')
+
+
+def round_trips(run: RunningDeployment, calls: int) -> dict:
+    plan = run.plan
+    mb = plan.mailboxes[0]
+    rank = RankTransport(mb.name, mb.atn_agent, plan.ffn_timeout_s)
+    model = plan.models[0]
+    layer = load_dense_layers(load_ffn_spec(model.path), model.dtype, model.activation_math)[0]
+    x = torch.randn(1, model.hidden).to(getattr(torch, model.dtype))
+    out = torch.empty_like(x)
+    rt, local = [], []
+    for i in range(calls + 100):
+        t0 = time.perf_counter_ns()
+        rank.call(0, x, out)
+        t1 = time.perf_counter_ns()
+        layer(x)
+        t2 = time.perf_counter_ns()
+        if i >= 100:
+            rt.append((t1 - t0) / 1e3)
+            local.append((t2 - t1) / 1e3)
+    rt.sort()
+    local.sort()
+    q = lambda v, p: v[min(len(v) - 1, int(p * len(v)))]  # noqa: E731
+    return {
+        "calls": calls,
+        "round_trip_us": {"p50": q(rt, 0.5), "p99": q(rt, 0.99)},
+        "in_process_ffn_us": {"p50": q(local, 0.5), "p99": q(local, 0.99)},
+        "transport_fabric_overhead_us_p50": q(rt, 0.5) - q(local, 0.5),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    from crosspool.models.prepare import prepare_smollm2
+
+    p = argparse.ArgumentParser(
+        prog="crosspool bench overhead", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--model", type=Path, default=None, help="checkpoint dir (default: SmolLM2-135M)")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    p.add_argument("--eager", action="store_true", help="enforce_eager (default: compile mode)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--round-trips", type=int, default=2000)
+    p.add_argument("--out", type=Path, default=None, help="write the JSON result here too")
+    args = p.parse_args(argv)
+    model = args.model or prepare_smollm2()
+    d = _deployment(model, args.dtype, args.eager, 2048)
+    rng = random.Random(0)
+    prompt = lambda: [rng.randrange(1, 49152 if args.model is None else 500) for _ in range(args.prompt_len)]  # noqa: E731
+    batches = {1: [prompt()], 16: [prompt() for _ in range(16)]}
+    work = [batches[1][:1]] + [batches[b] for _ in range(args.repeats) for b in (1, 16)]  # first = warm-up
+
+    def measure(plan_path: Path | None) -> dict[int, list[float]]:
+        runs = generate_in_child(d.model[0], 2048, work, args.output_len, plan_path)["runs"][1:]
+        rates: dict[int, list[float]] = {1: [], 16: []}
+        for r in runs:
+            rates[len(r["tokens"])].append(r["generated"] / r["seconds"])
+        return rates
+
+    print(f"native vLLM ({args.dtype}, {'eager' if args.eager else 'compile'}) ...", file=sys.stderr, flush=True)
+    native = measure(None)
+    run = RunningDeployment(d, build_plan(d, resolve_specs(d, "bench"), "bench"))
+    try:
+        run.start_pool(time.monotonic() + 300)
+        print("CrossPool ...", file=sys.stderr, flush=True)
+        pooled = measure(run.plan_path)
+        print("round trips ...", file=sys.stderr, flush=True)
+        rt = round_trips(run, args.round_trips)
+    finally:
+        run.close()
+    result = {
+        "model": str(model),
+        "dtype": args.dtype,
+        "mode": "eager" if args.eager else "compile",
+        "prompt_len": args.prompt_len,
+        "output_len": args.output_len,
+        "repeats": args.repeats,
+        "throughput_tok_s": {
+            str(b): {
+                "native": native[b],
+                "crosspool": pooled[b],
+                "native_median": statistics.median(native[b]),
+                "crosspool_median": statistics.median(pooled[b]),
+                "ratio": statistics.median(pooled[b]) / statistics.median(native[b]),
+            }
+            for b in (1, 16)
+        },
+        "one_row": rt,
+    }
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+    for b in (1, 16):
+        t = result["throughput_tok_s"][str(b)]
+        print(
+            f"batch {b:>2}: native {t['native_median']:.1f} tok/s, CrossPool {t['crosspool_median']:.1f} tok/s, "
+            f"ratio {t['ratio']:.2f}",
+            file=sys.stderr,
+        )
+    print(
+        f"one-row round trip: p50 {rt['round_trip_us']['p50']:.0f} us, p99 {rt['round_trip_us']['p99']:.0f} us "
+        f"(in-process FFN p50 {rt['in_process_ffn_us']['p50']:.0f} us)",
+        file=sys.stderr,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
