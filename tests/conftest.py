@@ -55,7 +55,7 @@ def no_leftovers():
     yield
     import time
 
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 20
     while time.monotonic() < deadline and (crosspool_shm() - before or project_processes()):
         time.sleep(0.2)
     assert crosspool_shm() - before == set(), "shared memory left behind"

@@ -14,6 +14,7 @@ import mmap
 import os
 import platform
 import select
+import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -51,6 +52,21 @@ def futex_wait(addr: int, expected: int, timeout_s: float) -> None:
 
 def futex_wake(addr: int) -> None:
     _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(addr), _FUTEX_WAKE, _INT_MAX, None, None, 0)
+
+
+_PR_SET_PDEATHSIG = 1
+ENV_SUPERVISOR_PID = "CROSSPOOL_SUPERVISOR_PID"
+
+
+def die_with_supervisor() -> None:
+    """Get SIGTERM when the supervising `crosspool serve` dies, even by SIGKILL (members are
+    in their own sessions, so nothing else would stop them). Only for its direct children."""
+    supervisor = os.environ.get(ENV_SUPERVISOR_PID)
+    if supervisor is None or os.getppid() != int(supervisor):
+        return
+    _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != int(supervisor):  # it died before prctl took effect
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 class Segment:

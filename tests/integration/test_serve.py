@@ -122,3 +122,14 @@ def test_killed_ffn_agent_fails_request_and_deployment(tmp_path, smollm2, no_lef
         assert any("failure: FfnAgent 'ffn0' killed by SIGKILL" in line for line in served.stderr)
     finally:
         served.kill()
+
+
+def test_sigkilled_serve_takes_members_down(tmp_path, smollm2, no_leftovers):
+    served = Served(tmp_path, smollm2)
+    try:
+        served.proc.kill()
+        served.proc.wait()
+        # Members get SIGTERM through PR_SET_PDEATHSIG and unlink their own segments;
+        # no_leftovers then checks that no process or crosspool segment is left.
+    finally:
+        served.kill()

@@ -9,6 +9,7 @@ import sys
 import threading
 from pathlib import Path
 
+from crosspool.ipc import die_with_supervisor
 from crosspool.plan import Plan
 
 
@@ -25,6 +26,7 @@ class AgentProcess:
         self.stop = threading.Event()
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
+        die_with_supervisor()
 
     def _on_signal(self, signum: int, frame: object) -> None:
         self.stop.set()

@@ -18,7 +18,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from crosspool.ipc import SHM_DIR, unlink_segments
+from crosspool.ipc import ENV_SUPERVISOR_PID, SHM_DIR, unlink_segments
 
 # Files engines leave in /dev/shm when their processes are killed (FEASIBILITY.md).
 ENGINE_LEFTOVERS = ("sem.mp-", "psm_", "sglang_", "sgl_shm_mq_")
@@ -74,6 +74,7 @@ class Supervisor:
         if ready_pipe:
             read_fd, write_fd = os.pipe()
             argv = [*argv, "--ready-fd", str(write_fd)]
+        env = {**env, ENV_SUPERVISOR_PID: str(os.getpid())}
         proc = subprocess.Popen(
             argv,
             env=env,

@@ -19,6 +19,7 @@ from torch import nn
 
 from crosspool import ops
 from crosspool.integrations.vllm.options import UNSUPPORTED
+from crosspool.ipc import die_with_supervisor
 from crosspool.models.spec import ModelFfnSpec, load_ffn_spec
 from crosspool.plan import ModelPlan, Plan
 from crosspool.transport.mailbox import RankTransport
@@ -111,6 +112,7 @@ def register() -> None:
     plan_path = os.environ.get(ENV_PLAN)
     if not plan_path or "plan" in _state:
         return
+    die_with_supervisor()  # the API server process; vLLM stops its EngineCore when it goes
     plan = Plan.model_validate_json(Path(plan_path).read_text())
     model = plan.model(os.environ[ENV_MODEL])
     spec = load_ffn_spec(model.path)
