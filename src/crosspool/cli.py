@@ -84,12 +84,6 @@ def cmd_models_spec(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
-    from crosspool.bench import overhead
-
-    return overhead.main(args.rest)
-
-
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="crosspool", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -118,13 +112,17 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("path", type=Path)
     s.set_defaults(func=cmd_models_spec)
 
-    s = sub.add_parser("bench", help="benchmarks (see `crosspool bench -- --help`)")
-    s.add_argument("rest", nargs=argparse.REMAINDER)
-    s.set_defaults(func=cmd_bench)
+    # Dispatched in main() before parsing, so every option reaches the benchmark's own parser.
+    sub.add_parser("bench", help="native vLLM vs CrossPool overhead (`crosspool bench --help`)", add_help=False)
     return p
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:
+        from crosspool.bench import overhead
+
+        sys.exit(overhead.main(argv[1:]))
     args = parser().parse_args(argv)
     try:
         code = args.func(args)

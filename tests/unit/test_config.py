@@ -99,3 +99,8 @@ def test_memory_budget_refused_with_amount(tmp_path, tiny_models):
     f.write_text(_toml(tiny_models["qwen3"], extra='[[ffn_agent]]\nid = "ffn0"\nmemory_gib = 0.0001'))
     line = _single_error(_cli("config", "check", str(f)))
     assert "ffn_agent[0].memory_gib" in line and "GiB over the budget" in line
+
+
+def test_bench_options_reach_the_benchmark():
+    r = _cli("bench", "--repeats", "1", "--help")
+    assert r.returncode == 0 and "--round-trips" in r.stdout, r.stderr

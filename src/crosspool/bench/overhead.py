@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     from crosspool.models.prepare import prepare_smollm2
 
     p = argparse.ArgumentParser(
-        prog="crosspool bench overhead", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="crosspool bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--model", type=Path, default=None, help="checkpoint dir (default: SmolLM2-135M)")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
