@@ -13,14 +13,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-from crosspool.daemon.supervisor import free_port
+from crosspool.daemon.supervisor import bind_port
 
 pytestmark = pytest.mark.engine
 
 
 class Served:
     def __init__(self, tmp: Path, model: Path, *, eager: bool = True) -> None:
-        self.port = free_port("127.0.0.1")
+        self.port = bind_port("127.0.0.1")
         self.file = tmp / "deployment.toml"
         self.file.write_text(f'''
 name = "test"

@@ -9,6 +9,7 @@ failed to load the plugin never attaches). The first failure wins and stops the 
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import sys
@@ -23,7 +24,7 @@ from fastapi import FastAPI
 
 from crosspool.config import Deployment
 from crosspool.daemon.front import create_front
-from crosspool.daemon.supervisor import Member, Supervisor, free_port
+from crosspool.daemon.supervisor import Member, Supervisor, bind_port
 from crosspool.integrations import launcher
 from crosspool.plan import Plan
 from crosspool.transport.mailbox import Mailbox
@@ -40,13 +41,10 @@ def _agent_argv(module: str, plan_path: Path, agent_id: str) -> list[str]:
 
 
 def _check_port_free(host: str, port: int) -> None:
-    import socket
-
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        try:
-            s.bind((host, port))
-        except OSError as e:
-            raise StartupError(f"port {port} on {host} is not free: {e.strerror}") from None
+    try:
+        bind_port(host, port)
+    except OSError as e:
+        raise StartupError(f"port {port} on {host} is not free: {e.strerror}") from None
 
 
 class RunningDeployment:
@@ -89,7 +87,7 @@ class RunningDeployment:
             member, fd = self.sup.start(
                 f"FfnAgent '{agent.id}'",
                 _agent_argv("ffn_agent", self.plan_path, agent.id),
-                _agent_env(),
+                dict(os.environ),
                 stop_order=STOP_FFN,
                 ready_pipe=True,
             )
@@ -99,7 +97,7 @@ class RunningDeployment:
             member, fd = self.sup.start(
                 f"AtnAgent '{atn}'",
                 _agent_argv("atn_agent", self.plan_path, atn),
-                _agent_env(),
+                dict(os.environ),
                 stop_order=STOP_ATN,
                 ready_pipe=True,
             )
@@ -110,7 +108,7 @@ class RunningDeployment:
         d = self.deployment
         for model in d.model:
             engine = launcher(model.engine)
-            port = free_port(d.host)
+            port = bind_port(d.host)
             argv = engine.server_command(model, d.limits.max_batched_tokens, d.host, port)
             member, _ = self.sup.start(
                 f"vLLM instance '{model.id}'", argv, engine.engine_env(model, self.plan_path), stop_order=STOP_ENGINE
@@ -176,12 +174,6 @@ class RunningDeployment:
             self.front.should_exit = True
         self.sup.stop_all(self.deployment.limits.shutdown_grace_s)
         shutil.rmtree(self.run_dir, ignore_errors=True)
-
-
-def _agent_env() -> dict[str, str]:
-    import os
-
-    return {**os.environ, "PYTHONUNBUFFERED": "1"}
 
 
 def serve(deployment: Deployment, plan: Plan) -> int:

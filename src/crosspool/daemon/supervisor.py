@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -159,9 +160,8 @@ def _signal_group(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
         os.killpg(proc.pid, sig)
 
 
-def free_port(host: str) -> int:
-    import socket
-
+def bind_port(host: str, port: int = 0) -> int:
+    """Bind and release `port` (0: any free one) on `host`; returns the port. OSError if taken."""
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host, 0))
+        s.bind((host, port))
         return int(s.getsockname()[1])

@@ -92,7 +92,9 @@ class RankTransport:
         self.mailbox = Mailbox.open(mailbox_name)
         w = self.mailbox.words()
         self.atn = Peer("AtnAgent", atn_agent, w[W_ATN_PID])
-        self.timeout_s = timeout_s
+        # The AtnAgent bounds the FFN side by timeout_s and names it; the rank's own bound is
+        # the backstop for a silent AtnAgent, so it must fire later.
+        self.bound_s = timeout_s + RANK_TIMEOUT_MARGIN_S
         self.seq = w[W_REQ_SEQ]
         w[W_RANK_PID] = os.getpid()
 
@@ -121,17 +123,14 @@ class RankTransport:
         self.seq = (self.seq + 1) & 0xFFFFFFFF
         w[W_REQ_SEQ] = self.seq
         futex_wake(mb.seg.word_addr(W_REQ_SEQ))
-        # The AtnAgent bounds the FFN side by timeout_s and names it; the rank's own bound is
-        # the backstop for a silent AtnAgent, so it must fire later.
-        deadline = time.monotonic() + self.timeout_s + RANK_TIMEOUT_MARGIN_S
+        deadline = time.monotonic() + self.bound_s
         old = w[W_RESP_SEQ]
         while old != self.seq:
             try:
                 old = wait_word_change(mb.seg, W_RESP_SEQ, old, deadline=deadline, check=self._check_atn)
             except TimeoutError:
-                bound = self.timeout_s + RANK_TIMEOUT_MARGIN_S
                 raise RuntimeError(
-                    f"FFN pool did not answer layer {layer} ({rows} rows) within {bound:g} s "
+                    f"FFN pool did not answer layer {layer} ({rows} rows) within {self.bound_s:g} s "
                     f"(AtnAgent {self.atn.name!r} {'alive' if self.atn.alive() else 'exited'})"
                 ) from None
         if w[W_STATUS] != STATUS_OK:
