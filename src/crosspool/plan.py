@@ -45,7 +45,7 @@ class MailboxPlan(_Frozen):
 
 class FfnAgentPlan(_Frozen):
     id: str
-    threads: int | None
+    threads: int
     models: list[str]
     weight_bytes: int
 

@@ -55,7 +55,11 @@ class AtnAgent:
                     done = ring.done_word(seq)
                     deadline = time.monotonic() + timeout_s
                     while ring.seg.words[done] != seq:
-                        wait_word_change(ring.seg, done, ring.seg.words[done], deadline=deadline, check=check_ffn)
+                        # Watching only, for failure: spinning here would take a core from the
+                        # FfnAgent and the rank, which are on the call's critical path.
+                        wait_word_change(
+                            ring.seg, done, ring.seg.words[done], deadline=deadline, check=check_ffn, spin_s=0.0
+                        )
                 except (ConnectionError, TimeoutError) as e:
                     reason = str(e) or f"FfnAgent {mplan.ffn_agent!r} did not answer within {timeout_s:g} s"
                     mb.reply(seen, STATUS_ERROR, f"FFN pool failed: {reason} during layer {layer} of {mplan.model}")

@@ -25,8 +25,7 @@ class FfnAgent:
         self.proc = proc
         plan = proc.plan
         me = next(a for a in plan.ffn_agents if a.id == proc.id)
-        if me.threads:
-            torch.set_num_threads(me.threads)
+        torch.set_num_threads(me.threads)
         start = time.monotonic()
         self.layers: dict[str, list[GatedDenseFfn]] = {}
         for model_id in me.models:

@@ -32,6 +32,12 @@ from crosspool.transport.mailbox import Mailbox
 STOP_ENGINE, STOP_ATN, STOP_FFN = 0, 1, 2
 
 
+def _agent_env() -> dict[str, str]:
+    # libgomp threads spin after each parallel region by default; on a shared CPU host that spin
+    # takes the core the rank or the other agent needs next. Agents' threads sleep instead.
+    return {"OMP_WAIT_POLICY": "PASSIVE", **os.environ}
+
+
 class StartupError(RuntimeError):
     pass
 
@@ -87,7 +93,7 @@ class RunningDeployment:
             member, fd = self.sup.start(
                 f"FfnAgent '{agent.id}'",
                 _agent_argv("ffn_agent", self.plan_path, agent.id),
-                dict(os.environ),
+                _agent_env(),
                 stop_order=STOP_FFN,
                 ready_pipe=True,
             )
@@ -97,7 +103,7 @@ class RunningDeployment:
             member, fd = self.sup.start(
                 f"AtnAgent '{atn}'",
                 _agent_argv("atn_agent", self.plan_path, atn),
-                dict(os.environ),
+                _agent_env(),
                 stop_order=STOP_ATN,
                 ready_pipe=True,
             )
