@@ -6,10 +6,12 @@ computes SiLU(gate) * up with `forward_native` in eager mode (bf16, rounded afte
 after the product) while inductor fuses the same expression in fp32 in compile mode (one
 rounding). The plan carries which one each Instance needs (`ActivationMath`).
 
-bf16 weights are prepacked once into oneDNN's blocked layout (as vLLM's `create_onednn_mm`
-does): the same bits as `F.linear` for every row count (checked for M = 1..4096), but a plain
-row-major weight is re-laid-out by oneDNN on every call, which made a one-row FFN of
-SmolLM2-135M 1.6x slower than the engine's own with weights streamed from memory.
+Where oneDNN has a bf16 matmul for this CPU (AVX512-BF16 / AVX-NE-CONVERT), bf16 weights are
+prepacked once into its blocked layout, as vLLM's `create_onednn_mm` does: the same bits as
+`F.linear` for every row count (checked for M = 1..4096), but a plain row-major weight is
+re-laid-out by oneDNN on every call (a one-row SmolLM2-135M FFN ran 1.6x slower). Where it has
+none (AVX2-only CPUs), vLLM's `create_onednn_mm` fails too and vLLM falls back to `F.linear`,
+which is what runs here then.
 """
 
 from __future__ import annotations
@@ -26,7 +28,10 @@ Linear = Callable[[torch.Tensor], torch.Tensor]
 
 def _linear(weight: torch.Tensor) -> Linear:
     if weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+        try:
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+        except RuntimeError:  # no oneDNN bf16 matmul on this CPU (vLLM falls back to F.linear too)
+            return lambda x: F.linear(x, weight)
         return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
     # fp32: oneDNN and MKL differ in the last bits; F.linear is what the plan qualifies.
     return lambda x: F.linear(x, weight)
