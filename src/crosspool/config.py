@@ -45,6 +45,8 @@ class FfnAgentConfig(_Strict):
     """torch threads of the agent. One by default: agents share the host's cores with the engine,
     and a 2-thread FfnAgent made SmolLM2 decoding slower on a 2-core host (one-row FFN p50 378 us
     vs 259 us single-threaded)."""
+    lanes: int = Field(1, ge=1, le=64)
+    """Executor lanes: layer calls of different Instances this agent computes concurrently."""
 
 
 class ModelConfig(_Strict):

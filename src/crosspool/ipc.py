@@ -55,6 +55,39 @@ def futex_wake(addr: int) -> None:
     _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(addr), _FUTEX_WAKE, _INT_MAX, None, None, 0)
 
 
+_CLOCK_MONOTONIC = 1
+SEM_SIZE = 32  # sizeof(sem_t) on 64-bit glibc
+
+
+class Semaphore:
+    """A process-shared POSIX semaphore living in a segment: many posters, blocking bounded waits.
+
+    glibc's sem_post is an atomic increment plus a futex wake only when someone sleeps, which
+    gives the Fabric a multi-producer doorbell without a lock (Python has no shared-memory
+    atomics of its own)."""
+
+    def __init__(self, seg: Segment, offset: int, *, create: bool) -> None:
+        assert offset % 8 == 0 and offset + SEM_SIZE <= seg.size
+        self.seg = seg  # keeps the mapping alive
+        self._addr = ctypes.c_void_p(seg.addr + offset)
+        self._deadline = _Timespec()
+        if create and _libc.sem_init(self._addr, 1, 0) != 0:
+            raise OSError(ctypes.get_errno(), "sem_init failed")
+
+    def post(self) -> None:
+        _libc.sem_post(self._addr)
+
+    def wait(self, timeout_s: float) -> bool:
+        """Take one count; False if none came within `timeout_s` (or a signal interrupted)."""
+        at = time.clock_gettime(time.CLOCK_MONOTONIC) + timeout_s
+        self._deadline.tv_sec = int(at)
+        self._deadline.tv_nsec = int((at % 1.0) * 1e9)
+        return _libc.sem_clockwait(self._addr, _CLOCK_MONOTONIC, ctypes.byref(self._deadline)) == 0
+
+    def try_take(self) -> bool:
+        return _libc.sem_trywait(self._addr) == 0
+
+
 _PR_SET_PDEATHSIG = 1
 ENV_SUPERVISOR_PID = "CROSSPOOL_SUPERVISOR_PID"
 

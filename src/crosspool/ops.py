@@ -1,8 +1,11 @@
-"""`crosspool::ffn_shim`: the torch custom op an engine's decoder layer calls in place of its FFN.
+"""`crosspool::ffn_shim`: the torch op an engine's decoder layer calls in place of its FFN.
 
-A real custom op with a fake implementation, so torch.compile and graph capture see one opaque
-node. The caller owns `out`; eager and compiled execution take the same path. The op talks to
-the FFN pool through the process's Transport attachment (one per Instance rank process).
+A real torch operator with a fake (meta) implementation, so torch.compile and graph capture see
+one opaque node. The caller owns `out`; eager and compiled execution take the same path. The op
+talks to the FFN pool through the process's Transport attachment (one per Instance rank process).
+
+Defined with `torch.library.Library` rather than `torch.library.custom_op`: the latter's Python
+dispatch wrapper cost 35 us per call here (3.3 us this way), paid once per layer per step.
 """
 
 from __future__ import annotations
@@ -28,13 +31,17 @@ def attached() -> bool:
     return _transport is not None
 
 
-@torch.library.custom_op("crosspool::ffn_shim", mutates_args=("out",))
 def ffn_shim(hidden: torch.Tensor, out: torch.Tensor, layer: int) -> None:
     if _transport is None:
         raise RuntimeError("crosspool ffn_shim called in a process with no FFN pool attachment")
     _transport.call(layer, hidden, out)
 
 
-@ffn_shim.register_fake
-def _(hidden: torch.Tensor, out: torch.Tensor, layer: int) -> None:
+def _fake(hidden: torch.Tensor, out: torch.Tensor, layer: int) -> None:
     return None
+
+
+_lib = torch.library.Library("crosspool", "DEF")
+_lib.define("ffn_shim(Tensor hidden, Tensor(a!) out, int layer) -> ()")
+_lib.impl("ffn_shim", ffn_shim, "CPU")
+torch.library.register_fake("crosspool::ffn_shim", _fake, lib=_lib)

@@ -26,9 +26,13 @@ class ModelPlan(_Frozen):
     hidden: int
     num_layers: int
     atn_agent: str
-    ffn_agent: str
+    layer_agents: list[list[str]]
+    """Per layer, its execution group: the FfnAgents that compute it, in shard order."""
     activation_math: ActivationMath
     """The FFN activation precision of the Instance's execution mode (engine-specific, see dense.py)."""
+
+    def layers_on(self, agent: str) -> list[int]:
+        return [layer for layer, group in enumerate(self.layer_agents) if agent in group]
 
 
 class MailboxPlan(_Frozen):
@@ -37,7 +41,6 @@ class MailboxPlan(_Frozen):
     model: str
     rank: int
     atn_agent: str
-    ffn_agent: str
     max_rows: int
     hidden: int
     dtype: str
@@ -46,6 +49,7 @@ class MailboxPlan(_Frozen):
 class FfnAgentPlan(_Frozen):
     id: str
     threads: int
+    lanes: int
     models: list[str]
     weight_bytes: int
 
@@ -65,8 +69,8 @@ class Plan(_Frozen):
     def shm_prefix(self) -> str:
         return f"{SHM_PREFIX}{self.token}-"
 
-    def ring_name(self, atn_agent: str, ffn_agent: str) -> str:
-        return f"{self.shm_prefix}ring-{atn_agent}-{ffn_agent}"
+    def inbox_name(self, ffn_agent: str) -> str:
+        return f"{self.shm_prefix}inbox-{ffn_agent}"
 
     def model(self, model_id: str) -> ModelPlan:
         return next(m for m in self.models if m.id == model_id)
@@ -105,7 +109,7 @@ def build_plan(deployment: Deployment, specs: dict[str, ModelFfnSpec], source: s
                 hidden=spec.hidden,
                 num_layers=len(spec.layers),
                 atn_agent=atn,
-                ffn_agent=ffn,
+                layer_agents=[[ffn]] * len(spec.layers),
                 activation_math=launcher(m.engine).activation_math(m),
             )
         )
@@ -116,7 +120,6 @@ def build_plan(deployment: Deployment, specs: dict[str, ModelFfnSpec], source: s
                 model=m.id,
                 rank=0,
                 atn_agent=atn,
-                ffn_agent=ffn,
                 max_rows=deployment.limits.max_batched_tokens,
                 hidden=spec.hidden,
                 dtype=m.dtype,
@@ -133,7 +136,9 @@ def build_plan(deployment: Deployment, specs: dict[str, ModelFfnSpec], source: s
                 f"{need / 2**30:.2f} GiB, {(need - budget) / 2**30:.2f} GiB over the budget (got {agent.memory_gib})"
             )
         agents.append(
-            FfnAgentPlan(id=agent.id, threads=agent.threads, models=[m.id for m in placed], weight_bytes=need)
+            FfnAgentPlan(
+                id=agent.id, threads=agent.threads, lanes=agent.lanes, models=[m.id for m in placed], weight_bytes=need
+            )
         )
     if problems:
         raise ConfigError(source, problems)

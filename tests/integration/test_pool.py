@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -13,6 +14,7 @@ import torch
 from crosspool.agents.ffn.weights import load_dense_layers
 from crosspool.config import parse_deployment
 from crosspool.daemon.serve import RunningDeployment
+from crosspool.integrations import kernels
 from crosspool.models.spec import load_ffn_spec
 from crosspool.plan import build_plan, resolve_specs
 from crosspool.transport.mailbox import RankTransport
@@ -33,11 +35,10 @@ engine = "vllm"
     run = RunningDeployment(d, plan)
     try:
         run.start_pool(time.monotonic() + 60)
-        mb = plan.mailboxes[0]
         yield (
             run,
-            RankTransport(mb.name, mb.atn_agent, plan.ffn_timeout_s),
-            load_dense_layers(load_ffn_spec(tiny_models["qwen3"]), "bfloat16", "fp32"),
+            RankTransport.attach(plan, "q", 0),
+            load_dense_layers(load_ffn_spec(tiny_models["qwen3"]), "bfloat16", "fp32", kernels("vllm").linear),
         )
     finally:
         run.close()
@@ -82,16 +83,48 @@ def test_silent_ffn_agent_times_out(pool):
     try:
         x = torch.zeros(4, 128, dtype=torch.bfloat16)
         start = time.monotonic()
-        with pytest.raises(RuntimeError, match="FfnAgent 'ffn0' did not answer within 2 s during layer 0"):
+        with pytest.raises(RuntimeError, match="FfnAgent 'ffn0' did not answer within 2 s during layer 0 "):
             rank.call(0, x, torch.empty_like(x))
         assert time.monotonic() - start < 5
     finally:
         os.kill(pid, signal.SIGCONT)
 
 
-def test_dead_atn_agent_is_named(pool):
+def test_dead_atn_agent_fences_the_transport(pool):
     run, rank, _ = pool
     os.kill(_member(run, "AtnAgent").proc.pid, signal.SIGKILL)
+    run.supervise()  # returns at the first member failure, having fenced every mailbox
     x = torch.zeros(4, 128, dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError, match=r"FFN pool unreachable: AtnAgent 'atn0' \(pid \d+\) exited"):
+    with pytest.raises(RuntimeError, match="FFN pool failed: AtnAgent 'atn0' killed by SIGKILL"):
         rank.call(0, x, torch.empty_like(x))
+
+
+def test_fence_fails_a_waiting_call(pool):
+    run, rank, _ = pool
+    pid = _member(run, "FfnAgent").proc.pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        errors: list[str] = []
+
+        def call() -> None:
+            x = torch.zeros(4, 128, dtype=torch.bfloat16)
+            try:
+                rank.call(0, x, torch.empty_like(x))
+            except RuntimeError as e:
+                errors.append(str(e))
+
+        t = threading.Thread(target=call)
+        t.start()
+        time.sleep(0.3)
+        run.sup.fail("test failure")
+        run.fence()
+        t.join(timeout=1)
+        assert not t.is_alive() and errors == ["FFN pool failed: test failure during layer 0 of q"]
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+def test_probe_round_trip(pool):
+    _, rank, _ = pool
+    for _ in range(100):
+        rank.probe()

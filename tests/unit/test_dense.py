@@ -7,6 +7,10 @@ import torch.nn.functional as F
 from crosspool.agents.ffn.dense import GatedDenseFfn
 
 
+def _linear(weight):
+    return lambda x: F.linear(x, weight)
+
+
 def _reference(x, gate, up, down, fp32_activation):
     gate_up = F.linear(x, torch.cat([gate, up]))
     if fp32_activation:
@@ -20,7 +24,7 @@ def test_bitwise_equal_to_plain_torch(activation_math):
     torch.manual_seed(0)
     gate, up = (torch.randn(256, 128, dtype=torch.bfloat16) * 0.2 for _ in range(2))
     down = torch.randn(128, 256, dtype=torch.bfloat16) * 0.2
-    ffn = GatedDenseFfn(gate, up, down, activation_math)
+    ffn = GatedDenseFfn(gate, up, down, activation_math, _linear)
     for rows in (1, 7, 64, 300):
         x = torch.randn(rows, 128, dtype=torch.bfloat16) * 3
         assert torch.equal(ffn(x), _reference(x, gate, up, down, activation_math == "fp32"))
@@ -31,4 +35,6 @@ def test_activation_precision_matters():
     gate, up = (torch.randn(256, 128, dtype=torch.bfloat16) * 0.2 for _ in range(2))
     down = torch.randn(128, 256, dtype=torch.bfloat16) * 0.2
     x = torch.randn(64, 128, dtype=torch.bfloat16) * 3
-    assert not torch.equal(GatedDenseFfn(gate, up, down, "fp32")(x), GatedDenseFfn(gate, up, down, "dtype")(x))
+    assert not torch.equal(
+        GatedDenseFfn(gate, up, down, "fp32", _linear)(x), GatedDenseFfn(gate, up, down, "dtype", _linear)(x)
+    )

@@ -1,23 +1,61 @@
-"""FfnAgent process: holds the FFN weights placed on it and executes layer calls from its rings.
+"""FfnAgent process: holds the FFN weights placed on it and executes layer calls on executor lanes.
 
-One executor thread per inbound ring (one ring per AtnAgent): calls of one AtnAgent run in
-submission order; results go straight into the caller's mailbox.
+Ranks publish calls in their mailboxes and ring this agent's doorbell (its inbox). Each lane is
+a thread that wakes on the doorbell, claims the oldest unclaimed call among the mailboxes this
+agent serves (FIFO across Instances by submit time), computes it from the mailbox's input plane
+and writes the result straight into its output plane. Lanes overlap while torch releases the
+GIL; one mailbox never has two calls in flight, so an Instance rank's calls stay serial.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from dataclasses import dataclass
 
 import torch
 
 from crosspool.agents.ffn.dense import GatedDenseFfn
 from crosspool.agents.ffn.weights import load_dense_layers
 from crosspool.agents.process import AgentProcess
-from crosspool.fabric.ring import W_HEAD, Ring
-from crosspool.ipc import wait_word_change
+from crosspool.fabric.inbox import Inbox
+from crosspool.integrations import kernels
+from crosspool.ipc import SLICE_S
 from crosspool.models.spec import load_ffn_spec
-from crosspool.transport.mailbox import STATUS_ERROR, STATUS_OK, Mailbox
+from crosspool.plan import MailboxPlan
+from crosspool.transport.mailbox import (
+    PROBE_LAYER,
+    SEQ_MASK,
+    STATUS_ERROR,
+    STATUS_OK,
+    W_FENCE,
+    W_LAYER,
+    W_REQ_SEQ,
+    W_ROWS,
+    Mailbox,
+)
+
+
+@dataclass
+class Served:
+    """A mailbox this agent takes calls from, and the layers of its model placed here."""
+
+    plan: MailboxPlan
+    mailbox: Mailbox
+    layers: dict[int, GatedDenseFfn]
+    claimed: int  # the last request sequence this agent claimed or saw pass
+
+
+@dataclass(frozen=True)
+class Call:
+    served: Served
+    seq: int
+    layer: int
+    rows: int
+
+
+class ProtocolError(RuntimeError):
+    pass
 
 
 class FfnAgent:
@@ -27,70 +65,82 @@ class FfnAgent:
         me = next(a for a in plan.ffn_agents if a.id == proc.id)
         torch.set_num_threads(me.threads)
         start = time.monotonic()
-        self.layers: dict[str, list[GatedDenseFfn]] = {}
-        for model_id in me.models:
-            model = plan.model(model_id)
-            self.layers[model_id] = load_dense_layers(load_ffn_spec(model.path), model.dtype, model.activation_math)
+        layers: dict[str, dict[int, GatedDenseFfn]] = {}
+        for model in plan.models:
+            if mine := model.layers_on(proc.id):
+                spec, linear = load_ffn_spec(model.path), kernels(model.engine).linear
+                layers[model.id] = load_dense_layers(spec, model.dtype, model.activation_math, linear, mine)
         proc.log(
-            f"loaded FFN weights of {me.models} ({me.weight_bytes / 2**20:.1f} MiB) in {time.monotonic() - start:.1f} s"
+            f"loaded FFN weights of {sorted(layers)} ({me.weight_bytes / 2**20:.1f} MiB) "
+            f"in {time.monotonic() - start:.1f} s"
         )
-        self.mailboxes: dict[int, Mailbox] = {}
-        self.rings = [Ring.create(plan.ring_name(atn, proc.id)) for atn in plan.atn_agents]
+        self.served = []
+        for mplan in plan.mailboxes:
+            if mplan.model in layers:
+                mailbox = Mailbox.open(mplan.name)
+                self.served.append(Served(mplan, mailbox, layers[mplan.model], mailbox.words[W_REQ_SEQ]))
+        self.lanes = me.lanes
+        self.inbox = Inbox.create(plan.inbox_name(proc.id), proc.id)
+        self._claim_lock = threading.Lock()
 
-    def _mailbox(self, index: int) -> Mailbox:
-        mb = self.mailboxes.get(index)
-        if mb is None:
-            mb = self.mailboxes[index] = Mailbox.open(self.proc.plan.mailboxes[index].name)
-        return mb
-
-    def execute(self, ring: Ring, seq: int) -> None:
-        inv = ring.read(seq)
-        mplan = self.proc.plan.mailboxes[inv.mailbox]
-        mb = self._mailbox(inv.mailbox)
-        try:
-            layers = self.layers[mplan.model]
-            if not 0 <= inv.layer < len(layers):
-                raise RuntimeError(f"layer {inv.layer} out of range for {mplan.model} ({len(layers)} layers)")
-            mb.output[: inv.rows].copy_(layers[inv.layer](mb.input[: inv.rows]))
-        except Exception as e:
-            mb.reply(
-                inv.call_seq, STATUS_ERROR, f"FfnAgent {self.proc.id!r} failed layer {inv.layer} of {mplan.model}: {e}"
-            )
-        else:
-            mb.reply(inv.call_seq, STATUS_OK)
-        ring.complete(seq)
-
-    def serve_ring(self, ring: Ring) -> None:
-        done = 0
-        stop = self.proc.stop
-
-        def check() -> None:
-            if stop.is_set():
-                raise InterruptedError
-
-        try:
+    def claim(self) -> Call | None:
+        """The oldest published call this agent has not claimed yet, if any."""
+        with self._claim_lock:
             while True:
-                head = ring.seg.words[W_HEAD]
-                if head == done:
-                    head = wait_word_change(ring.seg, W_HEAD, done, deadline=None, check=check)
-                while done != head:
-                    done += 1
-                    self.execute(ring, done)
-        except InterruptedError:
+                pending = [s for s in self.served if s.mailbox.words[W_REQ_SEQ] != s.claimed]
+                pending = [s for s in pending if not s.mailbox.words[W_FENCE]]
+                if not pending:
+                    return None
+                oldest = min(pending, key=lambda s: s.mailbox.submit_ns())
+                w = oldest.mailbox.words
+                seq, layer, rows = w[W_REQ_SEQ], w[W_LAYER], w[W_ROWS]
+                if w[W_REQ_SEQ] != seq:  # the rank moved on to its next call while we read
+                    continue
+                if (seq - oldest.claimed) & SEQ_MASK >= 1 << 31:
+                    raise ProtocolError(
+                        f"stale publication in {oldest.plan.name}: request {seq} after {oldest.claimed}"
+                    )
+                oldest.claimed = seq
+                if layer == PROBE_LAYER or layer in oldest.layers:
+                    return Call(oldest, seq, layer, rows)
+                # Otherwise the call is for another agent of the model's placement.
+
+    def execute(self, call: Call) -> None:
+        mb = call.served.mailbox
+        if call.layer == PROBE_LAYER:
+            mb.reply(call.seq, STATUS_OK)
             return
+        try:
+            if not 0 < call.rows <= mb.max_rows:
+                raise ProtocolError(f"{call.rows} rows published; the mailbox holds {mb.max_rows}")
+            mb.output[: call.rows].copy_(call.served.layers[call.layer](mb.input[: call.rows]))
         except Exception as e:
-            self.proc.fail(f"executor for {ring.seg.name} crashed: {e!r}")
+            model = call.served.plan.model
+            mb.reply(call.seq, STATUS_ERROR, f"FfnAgent {self.proc.id!r} failed layer {call.layer} of {model}: {e}")
+            if isinstance(e, ProtocolError):
+                raise
+        else:
+            mb.reply(call.seq, STATUS_OK)
+
+    def lane(self) -> None:
+        stop, doorbell = self.proc.stop, self.inbox.doorbell
+        try:
+            while not stop.is_set():
+                doorbell.wait(SLICE_S)  # also rescans after a slice, so nothing waits on a lost count
+                while (call := self.claim()) is not None:
+                    self.execute(call)
+        except Exception as e:
+            self.proc.fail(f"executor lane crashed: {e}")
 
     def run(self) -> None:
-        threads = [threading.Thread(target=self.serve_ring, args=(r,), daemon=True) for r in self.rings]
+        threads = [threading.Thread(target=self.lane, name=f"lane{i}", daemon=True) for i in range(self.lanes)]
         for t in threads:
             t.start()
         self.proc.ready()
         try:
             self.proc.wait_for_stop()
         finally:
-            for r in self.rings:
-                r.seg.unlink()
+            self.inbox.seg.unlink()
 
 
 def main(argv: list[str] | None = None) -> None:

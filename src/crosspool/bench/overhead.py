@@ -3,8 +3,11 @@ of one Transport+Fabric round trip.
 
     python -m crosspool.bench.overhead [--model DIR] [--dtype bfloat16] [--eager] [--repeats 3]
 
-Native and CrossPool engines run in the same invocation on the same prompts; the report gives
-medians and the CrossPool/native ratio (this machine is shared: compare ratios, not absolutes).
+Native and CrossPool engines run in the same invocation on the same prompts, each as vLLM runs
+by default (multiprocess EngineCore, a Worker bound to its cores); the report gives medians and
+the CrossPool/native ratio (this machine is shared: compare ratios, not absolutes). The round
+trip is timed from a rank's side: a probe crosses Transport and Fabric and is answered by the
+FfnAgent without computing; a one-row layer call is compared with the same FFN in process.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -22,6 +26,7 @@ import torch
 from crosspool.agents.ffn.weights import load_dense_layers
 from crosspool.config import parse_deployment
 from crosspool.daemon.serve import RunningDeployment
+from crosspool.integrations import kernels
 from crosspool.integrations.vllm.offline import generate_in_child
 from crosspool.models.spec import load_ffn_spec
 from crosspool.plan import build_plan, resolve_specs
@@ -43,33 +48,44 @@ enforce_eager = {str(eager).lower()}
 ''')
 
 
+def _quantiles(samples: list[float]) -> dict[str, float]:
+    ordered = sorted(samples)
+    return {p: ordered[min(len(ordered) - 1, int(q * len(ordered)))] for p, q in (("p50", 0.5), ("p99", 0.99))}
+
+
 def round_trips(run: RunningDeployment, calls: int) -> dict:
+    """Timed from the rank's side, each in its own loop: a probe (Transport + Fabric, no FFN
+    compute), a real one-row layer call, and the same layer computed in this process with the
+    FfnAgent's thread count."""
     plan = run.plan
-    mb = plan.mailboxes[0]
-    rank = RankTransport(mb.name, mb.atn_agent, plan.ffn_timeout_s)
     model = plan.models[0]
-    layer = load_dense_layers(load_ffn_spec(model.path), model.dtype, model.activation_math)[0]
+    rank = RankTransport.attach(plan, model.id, 0)
+    spec, linear = load_ffn_spec(model.path), kernels(model.engine).linear
+    layer = load_dense_layers(spec, model.dtype, model.activation_math, linear, [0])[0]
     x = torch.randn(1, model.hidden).to(getattr(torch, model.dtype))
     out = torch.empty_like(x)
-    rt, local = [], []
-    for i in range(calls + 100):
-        t0 = time.perf_counter_ns()
-        rank.call(0, x, out)
-        t1 = time.perf_counter_ns()
-        layer(x)
-        t2 = time.perf_counter_ns()
-        if i >= 100:
-            rt.append((t1 - t0) / 1e3)
-            local.append((t2 - t1) / 1e3)
-    rt.sort()
-    local.sort()
-    q = lambda v, p: v[min(len(v) - 1, int(p * len(v)))]  # noqa: E731
-    return {
-        "calls": calls,
-        "round_trip_us": {"p50": q(rt, 0.5), "p99": q(rt, 0.99)},
-        "in_process_ffn_us": {"p50": q(local, 0.5), "p99": q(local, 0.99)},
-        "transport_fabric_overhead_us_p50": q(rt, 0.5) - q(local, 0.5),
-    }
+
+    def timed(fn: Callable[[], object]) -> dict[str, float]:
+        samples = []
+        for i in range(calls + 100):
+            start = time.perf_counter_ns()
+            fn()
+            if i >= 100:
+                samples.append((time.perf_counter_ns() - start) / 1e3)
+        samples.sort()
+        return {p: samples[min(len(samples) - 1, int(q * len(samples)))] for p, q in (("p50", 0.5), ("p99", 0.99))}
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(plan.ffn_agents[0].threads)
+    try:
+        return {
+            "calls": calls,
+            "probe_round_trip_us": timed(rank.probe),
+            "layer_call_us": timed(lambda: rank.call(0, x, out)),
+            "in_process_ffn_us": timed(lambda: layer(x)),
+        }
+    finally:
+        torch.set_num_threads(threads)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     work = [batches[1][:1]] + [batches[b] for _ in range(args.repeats) for b in (1, 16)]  # first = warm-up
 
     def measure(plan_path: Path | None) -> dict[int, list[float]]:
-        runs = generate_in_child(d.model[0], 2048, work, args.output_len, plan_path)["runs"][1:]
+        runs = generate_in_child(d.model[0], 2048, work, args.output_len, plan_path, in_process_engine=False)["runs"]
+        runs = runs[1:]
         rates: dict[int, list[float]] = {1: [], 16: []}
         for r in runs:
             rates[len(r["tokens"])].append(r["generated"] / r["seconds"])
@@ -143,8 +160,9 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
     print(
-        f"one-row round trip: p50 {rt['round_trip_us']['p50']:.0f} us, p99 {rt['round_trip_us']['p99']:.0f} us "
-        f"(in-process FFN p50 {rt['in_process_ffn_us']['p50']:.0f} us)",
+        f"one-row Transport+Fabric round trip (probe): p50 {rt['probe_round_trip_us']['p50']:.0f} us, "
+        f"p99 {rt['probe_round_trip_us']['p99']:.0f} us; one-row layer call p50 {rt['layer_call_us']['p50']:.0f} us "
+        f"vs the same FFN in process p50 {rt['in_process_ffn_us']['p50']:.0f} us",
         file=sys.stderr,
     )
     return 0

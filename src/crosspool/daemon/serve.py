@@ -1,7 +1,7 @@
 """`crosspool serve`: start every member of a deployment, wait until it is ready, serve, stop.
 
-Start order: FfnAgents (weights loaded), AtnAgents (mailboxes created), engines (each rank
-attaches its mailbox while the model is built), then the front endpoint. Ready means every
+Start order: AtnAgents (mailboxes created), FfnAgents (weights loaded, inboxes created), engines
+(each rank attaches its mailbox while the model is built), then the front endpoint. Ready means every
 member is alive, each FFN agent and AtnAgent reported ready, every engine answers /health and
 every Instance rank attached its Transport (proof the plugin is active: a vLLM that silently
 failed to load the plugin never attaches). The first failure wins and stops the deployment.
@@ -87,28 +87,19 @@ class RunningDeployment:
         self._start_front(deadline)
 
     def start_pool(self, deadline: float) -> None:
-        """FfnAgents, then AtnAgents: after this the FFN pool executes layer calls."""
+        """AtnAgents (mailboxes), then FfnAgents (weights, inbox): after this the pool executes calls."""
         plan = self.plan
-        for agent in plan.ffn_agents:
-            member, fd = self.sup.start(
-                f"FfnAgent '{agent.id}'",
-                _agent_argv("ffn_agent", self.plan_path, agent.id),
-                _agent_env(),
-                stop_order=STOP_FFN,
-                ready_pipe=True,
-            )
-            assert fd is not None
-            self.sup.wait_ready_pipe(member, fd, deadline)
         for atn in plan.atn_agents:
-            member, fd = self.sup.start(
-                f"AtnAgent '{atn}'",
-                _agent_argv("atn_agent", self.plan_path, atn),
-                _agent_env(),
-                stop_order=STOP_ATN,
-                ready_pipe=True,
-            )
-            assert fd is not None
-            self.sup.wait_ready_pipe(member, fd, deadline)
+            self._start_agent(f"AtnAgent '{atn}'", "atn_agent", atn, STOP_ATN, deadline)
+        for agent in plan.ffn_agents:
+            self._start_agent(f"FfnAgent '{agent.id}'", "ffn_agent", agent.id, STOP_FFN, deadline)
+
+    def _start_agent(self, name: str, module: str, agent_id: str, stop_order: int, deadline: float) -> None:
+        member, fd = self.sup.start(
+            name, _agent_argv(module, self.plan_path, agent_id), _agent_env(), stop_order=stop_order, ready_pipe=True
+        )
+        assert fd is not None
+        self.sup.wait_ready_pipe(member, fd, deadline)
 
     def start_engines(self, deadline: float) -> None:
         d = self.deployment
@@ -164,7 +155,17 @@ class RunningDeployment:
                 errors = self.sup.agent_errors()
                 cause = f" ({errors[0]})" if errors and dead.stop_order == STOP_ENGINE else ""
                 self.sup.fail(f"{dead.name} {dead.exit_text()}{cause}")
+                self.fence()
                 return
+
+    def fence(self) -> None:
+        """Admit no more FFN work: every rank's current and next call fails with the failure."""
+        reason = f"FFN pool failed: {self.sup.failure}"
+        for mplan in self.plan.mailboxes:
+            try:
+                Mailbox.open(mplan.name).fence(reason)
+            except RuntimeError:
+                continue  # never created: nobody can be waiting on it
 
     def drain(self, grace_s: float) -> None:
         """Stop accepting; let in-flight requests finish or fail, at most `grace_s`."""

@@ -1,8 +1,15 @@
-"""The rank <-> AtnAgent mailbox: one shared-memory segment per Instance rank.
+"""The Transport: one shared-memory mailbox per Instance rank, through which its layer calls reach
+the FFN pool.
 
-The AtnAgent creates it; the rank writes live rows into `input` and publishes `req_seq`;
-the FFN side writes `output`, a status and publishes `resp_seq == req_seq`. One call is in
-flight per mailbox (an Instance rank's layer calls are serial).
+The AtnAgent of the rank's attention device creates and owns the mailbox. A call: the rank
+writes its live rows into `input`, the layer, the row count and its submit time, publishes
+`req_seq`, then rings the doorbell of every FfnAgent that holds the layer (Fabric). The FfnAgent
+that executes it writes `output` and a status and publishes `resp_seq == req_seq`; the rank
+copies `output` into the caller-owned tensor. One call is in flight per mailbox (a rank's layer
+calls are serial), so the planes are reused without a ring.
+
+The control plane fences a mailbox to stop admitting FFN work: a fenced rank fails its call at
+once with the fence reason, including a call already waiting.
 """
 
 from __future__ import annotations
@@ -12,22 +19,26 @@ import time
 
 import torch
 
-from crosspool.ipc import Peer, PeerDied, Segment, futex_wake, wait_word_change
+from crosspool.fabric.inbox import Inbox
+from crosspool.ipc import PeerDied, Segment, futex_wake, wait_word_change
+from crosspool.plan import Plan
 
-MAGIC = 0xC5055001
+MAGIC = 0xC5055003
 DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 _DTYPE_CODES = {name: code for code, name in enumerate(DTYPES)}
+SEQ_MASK = 0xFFFFFFFF
 
-# u32 word indices; fields written by different processes sit on different cache lines.
-W_MAGIC, W_MAX_ROWS, W_HIDDEN, W_DTYPE, W_ATN_PID = 0, 1, 2, 3, 4
-W_REQ_SEQ, W_LAYER, W_ROWS = 16, 17, 18  # written by the rank
-W_RANK_PID = 19
-W_RESP_SEQ, W_STATUS, W_ERR_LEN = 32, 33, 34  # written by the FFN side
-ERR_OFFSET, ERR_CAPACITY = 256, 1024
+# u32 word indices; words written by different processes sit on different 64-byte lines.
+W_MAGIC, W_MAX_ROWS, W_HIDDEN, W_DTYPE, W_OWNER_PID = 0, 1, 2, 3, 4  # creator, then read-only
+W_REQ_SEQ, W_LAYER, W_ROWS, W_SUBMIT_LO, W_SUBMIT_HI, W_RANK_PID = 16, 17, 18, 19, 20, 21  # the rank
+W_FENCE, W_FENCE_LEN = 32, 33  # the control plane
+W_RESP_SEQ, W_STATUS, W_ERR_LEN = 48, 49, 50  # the FFN side
+FENCE_OFFSET, ERR_OFFSET, TEXT_CAPACITY = 256, 1280, 1024
 DATA_OFFSET = 4096
 
 STATUS_OK, STATUS_ERROR = 0, 1
-RANK_TIMEOUT_MARGIN_S = 1.0
+PROBE_LAYER = 0xFFFFFFFF
+"""A layer index no model has: the FfnAgent answers without computing (Transport+Fabric latency)."""
 
 
 def mailbox_size(max_rows: int, hidden: int, dtype: str) -> int:
@@ -40,18 +51,20 @@ class Mailbox:
         if words[W_MAGIC] != MAGIC:
             raise RuntimeError(f"mailbox {seg.name!r} is not initialised (bad magic)")
         self.seg = seg
+        self.words = words
         self.max_rows, self.hidden = words[W_MAX_ROWS], words[W_HIDDEN]
         self.dtype = list(DTYPES.values())[words[W_DTYPE]]
         plane = self.max_rows * self.hidden * self.dtype.itemsize
         self.input = seg.tensor(DATA_OFFSET, (self.max_rows, self.hidden), self.dtype)
         self.output = seg.tensor(DATA_OFFSET + plane, (self.max_rows, self.hidden), self.dtype)
+        self.resp_addr = seg.word_addr(W_RESP_SEQ)
 
     @classmethod
     def create(cls, name: str, max_rows: int, hidden: int, dtype: str) -> Mailbox:
         seg = Segment(name, mailbox_size(max_rows, hidden, dtype), create=True)
         w = seg.words
         w[W_MAX_ROWS], w[W_HIDDEN], w[W_DTYPE] = max_rows, hidden, _DTYPE_CODES[dtype]
-        w[W_ATN_PID] = os.getpid()
+        w[W_OWNER_PID] = os.getpid()
         w[W_MAGIC] = MAGIC
         return cls(seg)
 
@@ -63,44 +76,79 @@ class Mailbox:
     def name(self) -> str:
         return self.seg.name
 
-    def words(self) -> memoryview:
-        return self.seg.words
-
     def rank_attached(self) -> bool:
-        return self.seg.words[W_RANK_PID] != 0
+        return self.words[W_RANK_PID] != 0
+
+    def submit_ns(self) -> int:
+        return self.words[W_SUBMIT_LO] | self.words[W_SUBMIT_HI] << 32
+
+    def _write_text(self, offset: int, text: str) -> int:
+        data = text.encode()[:TEXT_CAPACITY]
+        self.seg.mm[offset : offset + len(data)] = data
+        return len(data)
+
+    def _read_text(self, offset: int, length_word: int) -> str:
+        n = self.words[length_word]
+        return bytes(self.seg.mm[offset : offset + n]).decode(errors="replace")
 
     def reply(self, seq: int, status: int, error: str = "") -> None:
         """Publish the answer to call `seq` (output already written when status is OK)."""
-        w = self.seg.words
+        w = self.words
         if error:
-            data = error.encode()[:ERR_CAPACITY]
-            self.seg.mm[ERR_OFFSET : ERR_OFFSET + len(data)] = data
-            w[W_ERR_LEN] = len(data)
+            w[W_ERR_LEN] = self._write_text(ERR_OFFSET, error)
         w[W_STATUS] = status
         w[W_RESP_SEQ] = seq
-        futex_wake(self.seg.word_addr(W_RESP_SEQ))
+        futex_wake(self.resp_addr)
 
     def error_text(self) -> str:
-        n = self.seg.words[W_ERR_LEN]
-        return bytes(self.seg.mm[ERR_OFFSET : ERR_OFFSET + n]).decode(errors="replace")
+        return self._read_text(ERR_OFFSET, W_ERR_LEN)
+
+    def fence(self, reason: str) -> None:
+        """Admit no more FFN work through this mailbox; a waiting rank fails with `reason`."""
+        if self.words[W_FENCE]:
+            return
+        self.words[W_FENCE_LEN] = self._write_text(FENCE_OFFSET, reason)
+        self.words[W_FENCE] = 1
+        futex_wake(self.resp_addr)
+
+    def fence_reason(self) -> str | None:
+        return self._read_text(FENCE_OFFSET, W_FENCE_LEN) if self.words[W_FENCE] else None
 
 
 class RankTransport:
     """The Instance rank's end of its mailbox: one blocking, bounded call per layer."""
 
-    def __init__(self, mailbox_name: str, atn_agent: str, timeout_s: float) -> None:
+    @classmethod
+    def attach(cls, plan: Plan, model_id: str, rank: int) -> RankTransport:
+        """Attach Instance rank `rank` of `model_id` to its mailbox and the FfnAgents of its layers."""
+        model = plan.model(model_id)
+        inboxes = {a: Inbox.open(plan.inbox_name(a), a) for group in model.layer_agents for a in group}
+        return cls(
+            model_id,
+            plan.mailboxes_of(model_id)[rank].name,
+            [[inboxes[a] for a in group] for group in model.layer_agents],
+            plan.ffn_timeout_s,
+        )
+
+    def __init__(self, model: str, mailbox_name: str, layer_inboxes: list[list[Inbox]], timeout_s: float) -> None:
+        """`layer_inboxes[layer]`: the FfnAgents that execute that layer (its execution group)."""
+        self.model = model
         self.mailbox = Mailbox.open(mailbox_name)
-        w = self.mailbox.words()
-        self.atn = Peer("AtnAgent", atn_agent, w[W_ATN_PID])
-        # The AtnAgent bounds the FFN side by timeout_s and names it; the rank's own bound is
-        # the backstop for a silent AtnAgent, so it must fire later.
-        self.bound_s = timeout_s + RANK_TIMEOUT_MARGIN_S
+        w = self.mailbox.words
+        self.layer_inboxes = layer_inboxes
+        self.peers = {inbox.agent: inbox.peer() for group in layer_inboxes for inbox in group}
+        self.bound_s = timeout_s
         self.seq = w[W_REQ_SEQ]
         w[W_RANK_PID] = os.getpid()
 
-    def _check_atn(self) -> None:
-        if not self.atn.alive():
-            raise PeerDied(f"FFN pool unreachable: {self.atn} exited")
+    def _check(self, group: list[Inbox]) -> None:
+        reason = self.mailbox.fence_reason()
+        if reason is not None:
+            raise PeerDied(reason)
+        for inbox in group:
+            peer = self.peers[inbox.agent]
+            if not peer.alive():
+                raise PeerDied(f"FFN pool failed: {peer} exited")
 
     def call(self, layer: int, hidden: torch.Tensor, out: torch.Tensor) -> None:
         mb = self.mailbox
@@ -118,21 +166,38 @@ class RankTransport:
         if rows == 0:
             return
         mb.input[:rows].copy_(hidden)
-        w = mb.words()
-        w[W_LAYER], w[W_ROWS] = layer, rows
-        self.seq = (self.seq + 1) & 0xFFFFFFFF
-        w[W_REQ_SEQ] = self.seq
-        futex_wake(mb.seg.word_addr(W_REQ_SEQ))
-        deadline = time.monotonic() + self.bound_s
-        old = w[W_RESP_SEQ]
-        while old != self.seq:
-            try:
-                old = wait_word_change(mb.seg, W_RESP_SEQ, old, deadline=deadline, check=self._check_atn)
-            except TimeoutError:
-                raise RuntimeError(
-                    f"FFN pool did not answer layer {layer} ({rows} rows) within {self.bound_s:g} s "
-                    f"(AtnAgent {self.atn.name!r} {'alive' if self.atn.alive() else 'exited'})"
-                ) from None
-        if w[W_STATUS] != STATUS_OK:
-            raise RuntimeError(mb.error_text())
+        self._round_trip(layer, rows, self.layer_inboxes[layer])
         out.copy_(mb.output[:rows])
+
+    def probe(self, rows: int = 1) -> None:
+        """A call the first FfnAgent answers without computing: the Transport+Fabric round trip."""
+        self._round_trip(PROBE_LAYER, rows, self.layer_inboxes[0][:1])
+
+    def _round_trip(self, layer: int, rows: int, group: list[Inbox]) -> None:
+        w = self.mailbox.words
+        if w[W_FENCE]:
+            raise RuntimeError(self.mailbox.fence_reason())
+        now = time.monotonic_ns()
+        w[W_LAYER], w[W_ROWS], w[W_SUBMIT_LO], w[W_SUBMIT_HI] = layer, rows, now & SEQ_MASK, now >> 32
+        seq = self.seq = (self.seq + 1) & SEQ_MASK
+        w[W_REQ_SEQ] = seq
+        for inbox in group:
+            inbox.ring()
+        value = w[W_RESP_SEQ]
+        if value != seq:
+            deadline = time.monotonic() + self.bound_s
+            while value != seq:
+                try:
+                    value = wait_word_change(
+                        self.mailbox.seg, W_RESP_SEQ, value, deadline=deadline, check=lambda: self._check(group)
+                    )
+                except TimeoutError:
+                    agents = ", ".join(repr(inbox.agent) for inbox in group)
+                    raise RuntimeError(
+                        f"FFN pool failed: FfnAgent {agents} did not answer within {self.bound_s:g} s "
+                        f"during layer {layer} of {self.model} ({rows} rows)"
+                    ) from None
+                except PeerDied as e:
+                    raise RuntimeError(f"{e} during layer {layer} of {self.model}") from None
+        if w[W_STATUS] != STATUS_OK:
+            raise RuntimeError(self.mailbox.error_text())

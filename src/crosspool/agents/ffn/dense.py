@@ -6,12 +6,8 @@ computes SiLU(gate) * up with `forward_native` in eager mode (bf16, rounded afte
 after the product) while inductor fuses the same expression in fp32 in compile mode (one
 rounding). The plan carries which one each Instance needs (`ActivationMath`).
 
-Where oneDNN has a bf16 matmul for this CPU (AVX512-BF16 / AVX-NE-CONVERT), bf16 weights are
-prepacked once into its blocked layout, as vLLM's `create_onednn_mm` does: the same bits as
-`F.linear` for every row count (checked for M = 1..4096), but a plain row-major weight is
-re-laid-out by oneDNN on every call (a one-row SmolLM2-135M FFN ran 1.6x slower). Where it has
-none (AVX2-only CPUs), vLLM's `create_onednn_mm` fails too and vLLM falls back to `F.linear`,
-which is what runs here then.
+The linear kernels come from the Instance's engine integration (`integrations.kernels`), so
+each GEMM is the one the engine itself would run on this CPU.
 """
 
 from __future__ import annotations
@@ -24,28 +20,24 @@ import torch.nn.functional as F
 
 ActivationMath = Literal["fp32", "dtype"]
 Linear = Callable[[torch.Tensor], torch.Tensor]
-
-
-def _linear(weight: torch.Tensor) -> Linear:
-    if weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
-        try:
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
-        except RuntimeError:  # no oneDNN bf16 matmul on this CPU (vLLM falls back to F.linear too)
-            return lambda x: F.linear(x, weight)
-        return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-    # fp32: oneDNN and MKL differ in the last bits; F.linear is what the plan qualifies.
-    return lambda x: F.linear(x, weight)
+LinearFactory = Callable[[torch.Tensor], Linear]
+"""weight [out, in] -> the kernel computing x @ weight.T"""
 
 
 class GatedDenseFfn:
     def __init__(
-        self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, activation_math: ActivationMath
+        self,
+        gate: torch.Tensor,
+        up: torch.Tensor,
+        down: torch.Tensor,
+        activation_math: ActivationMath,
+        linear: LinearFactory,
     ) -> None:
         assert gate.shape == up.shape and down.shape == (gate.shape[1], gate.shape[0])
         self.intermediate = gate.shape[0]
         self.fp32_activation = activation_math == "fp32"
-        self.gate_up = _linear(torch.cat([gate, up], dim=0).contiguous())
-        self.down = _linear(down.contiguous())
+        self.gate_up = linear(torch.cat([gate, up], dim=0).contiguous())
+        self.down = linear(down.contiguous())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up(x)

@@ -46,8 +46,16 @@ def generate_in_child(
     max_tokens: int,
     plan_path: Path | None,
     timeout_s: float = 900.0,
+    *,
+    in_process_engine: bool = True,
 ) -> dict:
-    """Run `run` in a fresh process (native vLLM when `plan_path` is None) and return its result."""
+    """Run `run` in a fresh process (native vLLM when `plan_path` is None) and return its result.
+
+    `in_process_engine` runs vLLM's EngineCore in the generating process, so every request of a
+    batch is scheduled together: batch composition (and with it the bf16 arithmetic of every
+    kernel) no longer depends on how fast requests reach a busy engine. Token-identity checks
+    need that; throughput measurements want vLLM's default multiprocess engine (EngineCore and
+    a Worker bound to its own cores), as served."""
     with tempfile.TemporaryDirectory(prefix="crosspool-offline-") as tmp:
         job_file, out = Path(tmp) / "job.json", Path(tmp) / "out.json"
         job = {

@@ -64,8 +64,7 @@ def _attach() -> None:
     problems = _runtime_problems(get_current_vllm_config(), model, _state["spec"])
     if problems:
         raise RuntimeError("CrossPool cannot serve this vLLM configuration: " + "; ".join(problems))
-    mailbox = plan.mailboxes_of(model.id)[get_tensor_model_parallel_rank()]
-    ops.attach(RankTransport(mailbox.name, mailbox.atn_agent, plan.ffn_timeout_s))
+    ops.attach(RankTransport.attach(plan, model.id, get_tensor_model_parallel_rank()))
 
 
 class CrossPoolFfn(nn.Module):
