@@ -6,11 +6,11 @@ scripts/install.sh
 . .venv/bin/activate
 crosspool models prepare smollm2-135m
 log=$(mktemp)
-crosspool serve examples/smollm2.toml >"$log" 2> >(grep -E '^crosspool:' >&2) &
+crosspool daemon examples/smollm2.toml >"$log" 2> >(grep -E '^crosspool:' >&2) &
 serve=$!
 trap 'kill -TERM $serve 2>/dev/null || true; wait $serve 2>/dev/null || true; rm -f "$log"' EXIT
 until grep -q '^crosspool: ready' "$log"; do
-  kill -0 $serve 2>/dev/null || { echo "crosspool serve failed" >&2; exit 1; }
+  kill -0 $serve 2>/dev/null || { echo "crosspool daemon failed" >&2; exit 1; }
   sleep 1
 done
 cat "$log"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 from pathlib import Path
 
@@ -40,6 +41,8 @@ def project_processes() -> list[str]:
         for line in out.splitlines()[1:]
         if (
             "crosspool.agents" in line
+            or "crosspool.front" in line
+            or "-m crosspool daemon" in line
             or "vllm.entrypoints" in line
             or "VLLM::" in line
             or "crosspool.integrations.vllm.offline" in line
@@ -60,3 +63,71 @@ def no_leftovers():
         time.sleep(0.2)
     assert crosspool_shm() - before == set(), "shared memory left behind"
     assert project_processes() == [], "processes left behind"
+
+
+@pytest.fixture(scope="session")
+def tiny_served(smollm2) -> Path:
+    """A tiny random Qwen3 with SmolLM2's tokenizer (and vocabulary): servable over OpenAI HTTP."""
+    from crosspool.models.prepare import make_tiny_checkpoint
+
+    return make_tiny_checkpoint("qwen3", CACHE / "tiny" / "tiny-qwen3-tok", seed=0, tokenizer=smollm2)
+
+
+def model_toml(model_id: str, path: Path, **extra: object) -> str:
+    lines = [f'[[model]]\nid = "{model_id}"\npath = "{path}"\nengine = "vllm"\nmax_model_len = 1024']
+    lines += [f"{k} = {str(v).lower() if isinstance(v, bool) else repr(v)}" for k, v in extra.items()]
+    return "\n".join(lines) + "\n"
+
+
+class RunningDaemon:
+    """`crosspool daemon FILE` as a user runs it: a child process, its ready line, its stderr."""
+
+    def __init__(self, tmp: Path, body: str, *, name: str = "test", top: str = "", wait: bool = True) -> None:
+        """`top`: top-level keys of the deployment file; `body`: its tables after [limits]."""
+        import sys
+        import threading
+
+        from crosspool.ipc import bind_port
+
+        self.port, self.control_port = bind_port("127.0.0.1"), bind_port("127.0.0.1")
+        self.file = tmp / f"{name}.toml"
+        self.file.write_text(
+            f'name = "{name}"\nport = {self.port}\ncontrol_port = {self.control_port}\n{top}'
+            f"[limits]\nmax_batched_tokens = 512\nffn_timeout_s = 5\n{body}"
+        )
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "crosspool", "daemon", str(self.file)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        self.stderr: list[str] = []
+        self.stdout: list[str] = []
+        threading.Thread(target=lambda: self.stderr.extend(self.proc.stderr), daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.control = f"http://127.0.0.1:{self.control_port}"
+        if wait:
+            self.wait_ready_line()
+
+    def wait_ready_line(self) -> None:
+        line = self.proc.stdout.readline()  # the ready line, or EOF if the daemon failed
+        self.stdout.append(line)
+        assert line.startswith("crosspool: ready in"), "".join(self.stderr[-40:])
+
+    def status(self) -> dict:
+        import httpx
+
+        return httpx.get(self.control + "/status", timeout=5).json()
+
+    def pid_of(self, name: str) -> int:
+        return next(m["pid"] for m in self.status()["members"] if m["name"] == name)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 90) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        return self.proc.wait(timeout=timeout)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()

@@ -1,4 +1,4 @@
-"""`crosspool <command>`: serve, config check, models prepare/tiny/spec, bench."""
+"""`crosspool <command>`: daemon/serve, status, config check, models prepare/tiny/spec, bench."""
 
 from __future__ import annotations
 
@@ -16,32 +16,87 @@ def _fail(message: str, code: int = 2) -> int:
     return code
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    from crosspool.daemon.serve import serve
-    from crosspool.plan import plan_deployment
+def cmd_daemon(args: argparse.Namespace) -> int:
+    from crosspool.daemon.daemon import run_daemon
+    from crosspool.plan import resolve_file
 
-    deployment, _, plan = plan_deployment(args.file)
-    return serve(deployment, plan)
+    return run_daemon(resolve_file(args.file))
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    import httpx
+    from rich.console import Console
+    from rich.table import Table
+
+    from crosspool.config import load_deployment
+
+    if args.url:
+        url = args.url
+    elif args.file is None:
+        return _fail("give the deployment FILE or --url")
+    else:
+        d = load_deployment(args.file)
+        url = f"http://{d.host}:{d.control}"
+    try:
+        status = httpx.get(url + "/status", timeout=5).json()
+    except httpx.HTTPError as e:
+        return _fail(f"no CrossPool daemon answers at {url}: {e}", 1)
+    if args.json:
+        print(json.dumps(status, indent=2))
+        return 0
+    console = Console()
+    console.print(
+        f"[bold]{status['deployment']}[/] generation {status['generation']} [bold]{status['phase']}[/] "
+        f"(restarts {status['restarts']}) endpoint {status['endpoint']}"
+    )
+    if status["failure"]:
+        console.print(f"[red]failure:[/] {status['failure']}")
+    members = Table("member", "registered", "pid", "heartbeat age (s)")
+    for m in status["members"]:
+        members.add_row(
+            m["name"], "yes" if m["registered"] else "no", str(m["pid"] or "-"), str(m["heartbeat_age_s"] or "-")
+        )
+    console.print(members)
+    models = Table("model", "state", "engine", "FFN agents", "engine URL")
+    for name, m in status["models"].items():
+        models.add_row(name, m["state"], m["engine"], ", ".join(m["ffn_agents"]), m["url"])
+    console.print(models)
+    return 0
 
 
 def cmd_config_check(args: argparse.Namespace) -> int:
-    from crosspool.plan import plan_deployment
+    from crosspool.plan import resolve_file
 
-    deployment, specs, _ = plan_deployment(args.file)
+    checked = resolve_file(args.file)
+    deployment, specs, plan = checked.deployment, checked.specs, checked.plan()
     resolved = deployment.model_dump(mode="json")
     resolved["digest"] = deployment.digest()
+    resolved["control_port"] = deployment.control
     resolved["ffn"] = {
         m.id: {
             "architecture": specs[m.id].architecture,
             "layers": len(specs[m.id].layers),
             "ffn_weight_mib": round(specs[m.id].weight_bytes(m.dtype) / 2**20, 2),
-            "ffn_agent": deployment.ffn_of(m),
+            "ffn_agents": _layer_ranges(plan.model(m.id).layer_agents),
             "attention_device": deployment.attention_of(m),
         }
         for m in deployment.model
     }
     print(json.dumps(resolved, indent=2))
     return 0
+
+
+def _layer_ranges(layer_agents: list[list[str]]) -> dict[str, str]:
+    """{"ffn0": "0-14", "ffn1": "15-29"}: where each layer of a model runs, as ranges."""
+    ranges: dict[str, list[str]] = {}
+    start = 0
+    for layer in range(1, len(layer_agents) + 1):
+        if layer == len(layer_agents) or layer_agents[layer] != layer_agents[start]:
+            span = f"{start}" if layer - 1 == start else f"{start}-{layer - 1}"
+            for agent in layer_agents[start]:
+                ranges.setdefault(agent, []).append(span)
+            start = layer
+    return {agent: ",".join(spans) for agent, spans in ranges.items()}
 
 
 def cmd_models_prepare(args: argparse.Namespace) -> int:
@@ -54,7 +109,7 @@ def cmd_models_prepare(args: argparse.Namespace) -> int:
 def cmd_models_tiny(args: argparse.Namespace) -> int:
     from crosspool.models.prepare import make_tiny_checkpoint
 
-    print(make_tiny_checkpoint(args.family, args.out, seed=args.seed, layers=args.layers))
+    print(make_tiny_checkpoint(args.family, args.out, seed=args.seed, layers=args.layers, tokenizer=args.tokenizer))
     return 0
 
 
@@ -88,9 +143,16 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="crosspool", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
 
-    s = sub.add_parser("serve", help="start a deployment and serve it until Ctrl-C / SIGTERM")
-    s.add_argument("file", type=Path)
-    s.set_defaults(func=cmd_serve)
+    for name in ("daemon", "serve"):
+        s = sub.add_parser(name, help="run a deployment's daemon: start, serve, supervise until Ctrl-C / SIGTERM")
+        s.add_argument("file", type=Path)
+        s.set_defaults(func=cmd_daemon)
+
+    s = sub.add_parser("status", help="ask a running daemon for its status (members, generation, models)")
+    s.add_argument("file", type=Path, nargs="?", help="the deployment file (finds the control port)")
+    s.add_argument("--url", help="the daemon's control API, e.g. http://127.0.0.1:8001")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_status)
 
     c = sub.add_parser("config", help="deployment files").add_subparsers(dest="config_command", required=True)
     s = c.add_parser("check", help="validate a deployment file and print it resolved")
@@ -107,6 +169,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("out", type=Path)
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--layers", type=int, default=2)
+    s.add_argument("--tokenizer", type=Path, default=None, help="copy this checkpoint's tokenizer (and vocab size)")
     s.set_defaults(func=cmd_models_tiny)
     s = m.add_parser("spec", help="print the engine-neutral FFN spec of a checkpoint")
     s.add_argument("path", type=Path)

@@ -32,6 +32,18 @@ class Limits(_Strict):
     """Bound on every wait on the FFN path: a peer silent this long fails the request."""
     startup_timeout_s: float = Field(600.0, gt=0)
     shutdown_grace_s: float = Field(10.0, gt=0, le=120)
+    heartbeat_interval_s: float = Field(0.5, gt=0, le=10)
+    heartbeat_timeout_s: float = Field(5.0, gt=0, le=120)
+    """A member whose heartbeats stop this long (a frozen process) fails the generation."""
+
+    @model_validator(mode="after")
+    def _heartbeat_order(self) -> Limits:
+        if self.heartbeat_timeout_s < 2 * self.heartbeat_interval_s:
+            raise ValueError(
+                f"heartbeat_timeout_s: must be at least twice heartbeat_interval_s "
+                f"({self.heartbeat_interval_s:g}) (got {self.heartbeat_timeout_s:g})"
+            )
+        return self
 
 
 class AttentionDevice(_Strict):
@@ -56,6 +68,7 @@ class ModelConfig(_Strict):
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
     attention_device: Name | None = None
     ffn_agent: Name | None = None
+    """Pin the model's FFN layers to this agent; default: placement spreads them over all agents."""
     max_model_len: int = Field(2048, ge=16)
     max_num_seqs: int = Field(16, ge=1)
     kv_cache_gib: int = Field(1, ge=1)
@@ -78,6 +91,12 @@ class Deployment(_Strict):
     name: Name = "crosspool"
     host: Literal["127.0.0.1", "localhost", "::1"] = "127.0.0.1"
     port: int = Field(8000, ge=1024, le=65535)
+    """The OpenAI-compatible endpoint."""
+    control_port: int | None = Field(None, ge=1024, le=65535)
+    """The daemon's control API (loopback); default: port + 1."""
+    restart: bool = False
+    """After a failure, start a new generation instead of stopping (at most max_restarts times)."""
+    max_restarts: int = Field(3, ge=0, le=100)
     limits: Limits = Limits()
     attention_device: list[AttentionDevice] = Field(default_factory=lambda: [AttentionDevice(id="atn0")])
     ffn_agent: list[FfnAgentConfig] = Field(default_factory=lambda: [FfnAgentConfig(id="ffn0")])
@@ -105,13 +124,19 @@ class Deployment(_Strict):
                 )
             if m.ffn_agent is not None and m.ffn_agent not in ffn_ids:
                 raise ValueError(f"model[{i}].ffn_agent: unknown agent {m.ffn_agent!r} (known: {sorted(ffn_ids)})")
+        if self.control == self.port or self.control > 65535:
+            raise ValueError(f"control_port: must be a free port other than port (got {self.control})")
         return self
+
+    @property
+    def control(self) -> int:
+        return self.control_port or self.port + 1
 
     def attention_of(self, model: ModelConfig) -> str:
         return model.attention_device or self.attention_device[0].id
 
-    def ffn_of(self, model: ModelConfig) -> str:
-        return model.ffn_agent or self.ffn_agent[0].id
+    def ffn_agents_of(self, model: ModelConfig) -> list[str]:
+        return [model.ffn_agent] if model.ffn_agent else [a.id for a in self.ffn_agent]
 
     def digest(self) -> str:
         canonical = json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))

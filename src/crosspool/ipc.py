@@ -16,6 +16,7 @@ import os
 import platform
 import select
 import signal
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -216,3 +217,10 @@ def wait_word_change(
                 raise TimeoutError
             slice_s = min(slice_s, left)
         futex_wait(addr, old, slice_s)
+
+
+def bind_port(host: str, port: int = 0) -> int:
+    """Bind and release `port` (0: any free one) on `host`; returns the port. OSError if taken."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, port))
+        return int(s.getsockname()[1])

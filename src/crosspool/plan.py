@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import secrets
+from dataclasses import dataclass
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
@@ -10,8 +12,9 @@ from pydantic import BaseModel, ConfigDict
 from crosspool.agents.ffn.dense import ActivationMath
 from crosspool.config import ConfigError, Deployment
 from crosspool.integrations import launcher
-from crosspool.ipc import SHM_PREFIX
+from crosspool.ipc import SHM_PREFIX, bind_port
 from crosspool.models.spec import ModelFfnSpec, ModelSpecError, load_ffn_spec
+from crosspool.placement import ModelLayers, PlacementError, place_layers
 
 
 class _Frozen(BaseModel):
@@ -28,6 +31,8 @@ class ModelPlan(_Frozen):
     atn_agent: str
     layer_agents: list[list[str]]
     """Per layer, its execution group: the FfnAgents that compute it, in shard order."""
+    url: str
+    """The Instance's own HTTP server (the front endpoint routes to it)."""
     activation_math: ActivationMath
     """The FFN activation precision of the Instance's execution mode (engine-specific, see dense.py)."""
 
@@ -59,11 +64,21 @@ class Plan(_Frozen):
     digest: str
     token: str
     generation: int
+    host: str
+    port: int
+    """The front endpoint."""
+    control_url: str
+    """The daemon's control API: members register and send heartbeats there."""
     ffn_timeout_s: float
+    heartbeat_interval_s: float
     models: list[ModelPlan]
     atn_agents: list[str]
     ffn_agents: list[FfnAgentPlan]
     mailboxes: list[MailboxPlan]
+
+    def fingerprint(self) -> str:
+        """What a member proves it resolved: the whole plan, hashed (config digest included)."""
+        return hashlib.sha256(self.model_dump_json().encode()).hexdigest()[:16]
 
     @property
     def shm_prefix(self) -> str:
@@ -91,15 +106,34 @@ def resolve_specs(deployment: Deployment, source: str) -> dict[str, ModelFfnSpec
     return specs
 
 
-def build_plan(deployment: Deployment, specs: dict[str, ModelFfnSpec], source: str, *, generation: int = 1) -> Plan:
+def place(deployment: Deployment, specs: dict[str, ModelFfnSpec], source: str) -> dict[str, list[str]]:
+    """Each model's per-layer FfnAgent, within every agent's memory budget (see placement.py)."""
+    wanted = [
+        ModelLayers(m.id, [layer.weight_bytes(m.dtype) for layer in specs[m.id].layers], deployment.ffn_agents_of(m))
+        for m in deployment.model
+    ]
+    budgets = {a.id: int(a.memory_gib * 2**30) for a in deployment.ffn_agent}
+    try:
+        return place_layers(wanted, budgets)
+    except PlacementError as e:
+        raise ConfigError(source, [f"ffn_agent: {e}"]) from None
+
+
+def build_plan(
+    deployment: Deployment,
+    specs: dict[str, ModelFfnSpec],
+    placement: dict[str, list[str]],
+    *,
+    generation: int = 1,
+) -> Plan:
+    """The immutable plan of one generation; each generation gets fresh segment names."""
     token = secrets.token_hex(4)
     prefix = f"{SHM_PREFIX}{token}-"
     models: list[ModelPlan] = []
     mailboxes: list[MailboxPlan] = []
-    problems: list[str] = []
     for m in deployment.model:
         spec = specs[m.id]
-        atn, ffn = deployment.attention_of(m), deployment.ffn_of(m)
+        atn = deployment.attention_of(m)
         models.append(
             ModelPlan(
                 id=m.id,
@@ -109,7 +143,8 @@ def build_plan(deployment: Deployment, specs: dict[str, ModelFfnSpec], source: s
                 hidden=spec.hidden,
                 num_layers=len(spec.layers),
                 atn_agent=atn,
-                layer_agents=[[ffn]] * len(spec.layers),
+                layer_agents=[[agent] for agent in placement[m.id]],
+                url=f"http://{deployment.host}:{bind_port(deployment.host)}",
                 activation_math=launcher(m.engine).activation_math(m),
             )
         )
@@ -126,28 +161,29 @@ def build_plan(deployment: Deployment, specs: dict[str, ModelFfnSpec], source: s
             )
         )
     agents = []
-    for i, agent in enumerate(deployment.ffn_agent):
-        placed = [m for m in deployment.model if deployment.ffn_of(m) == agent.id]
-        need = sum(specs[m.id].weight_bytes(m.dtype) for m in placed)
-        budget = int(agent.memory_gib * 2**30)
-        if need > budget:
-            problems.append(
-                f"ffn_agent[{i}].memory_gib: FFN weights of {[m.id for m in placed]} need "
-                f"{need / 2**30:.2f} GiB, {(need - budget) / 2**30:.2f} GiB over the budget (got {agent.memory_gib})"
-            )
+    for agent in deployment.ffn_agent:
+        held = {m.id: [li for li, a in enumerate(placement[m.id]) if a == agent.id] for m in deployment.model}
+        weight_bytes = sum(specs[m.id].layers[li].weight_bytes(m.dtype) for m in deployment.model for li in held[m.id])
         agents.append(
             FfnAgentPlan(
-                id=agent.id, threads=agent.threads, lanes=agent.lanes, models=[m.id for m in placed], weight_bytes=need
+                id=agent.id,
+                threads=agent.threads,
+                lanes=agent.lanes,
+                models=[model for model, layers in held.items() if layers],
+                weight_bytes=weight_bytes,
             )
         )
-    if problems:
-        raise ConfigError(source, problems)
+    limits = deployment.limits
     return Plan(
         deployment=deployment.name,
         digest=deployment.digest(),
         token=token,
         generation=generation,
-        ffn_timeout_s=deployment.limits.ffn_timeout_s,
+        host=deployment.host,
+        port=deployment.port,
+        control_url=f"http://{deployment.host}:{deployment.control}",
+        ffn_timeout_s=limits.ffn_timeout_s,
+        heartbeat_interval_s=limits.heartbeat_interval_s,
         models=models,
         atn_agents=[a.id for a in deployment.attention_device],
         ffn_agents=agents,
@@ -155,17 +191,31 @@ def build_plan(deployment: Deployment, specs: dict[str, ModelFfnSpec], source: s
     )
 
 
-def plan_deployment(path: Path) -> tuple[Deployment, dict[str, ModelFfnSpec], Plan]:
-    """Everything that must hold before any process starts: schema, engine options, model
-    specs, FFN memory budgets. Raises ConfigError listing every problem found."""
-    from crosspool.config import load_deployment
+@dataclass(frozen=True)
+class Resolved:
+    """A deployment checked against everything that must hold before any process starts."""
 
-    source = str(path)
-    deployment = load_deployment(path)
+    deployment: Deployment
+    specs: dict[str, ModelFfnSpec]
+    placement: dict[str, list[str]]
+
+    def plan(self, generation: int = 1) -> Plan:
+        return build_plan(self.deployment, self.specs, self.placement, generation=generation)
+
+
+def resolve(deployment: Deployment, source: str = "<deployment>") -> Resolved:
+    """Engine options, model specs, FFN placement within memory budgets; raises ConfigError
+    listing every problem found."""
     problems = []
     for i, m in enumerate(deployment.model):
         problems += [f"model[{i}].{p}" for p in launcher(m.engine).engine_arg_problems(m.engine_args)]
     if problems:
         raise ConfigError(source, problems)
     specs = resolve_specs(deployment, source)
-    return deployment, specs, build_plan(deployment, specs, source)
+    return Resolved(deployment, specs, place(deployment, specs, source))
+
+
+def resolve_file(path: Path) -> Resolved:
+    from crosspool.config import load_deployment
+
+    return resolve(load_deployment(path), str(path))

@@ -13,10 +13,11 @@ import torch
 
 from crosspool.agents.ffn.weights import load_dense_layers
 from crosspool.config import parse_deployment
-from crosspool.daemon.serve import RunningDeployment
+from crosspool.daemon.daemon import running_pool
+from crosspool.daemon.generation import Generation
 from crosspool.integrations import kernels
 from crosspool.models.spec import load_ffn_spec
-from crosspool.plan import build_plan, resolve_specs
+from crosspool.plan import resolve
 from crosspool.transport.mailbox import RankTransport
 
 
@@ -31,21 +32,16 @@ id = "q"
 path = "{tiny_models["qwen3"]}"
 engine = "vllm"
 ''')
-    plan = build_plan(d, resolve_specs(d, "t"), "t")
-    run = RunningDeployment(d, plan)
-    try:
-        run.start_pool(time.monotonic() + 60)
+    with running_pool(resolve(d)) as gen:
         yield (
-            run,
-            RankTransport.attach(plan, "q", 0),
+            gen,
+            RankTransport.attach(gen.plan, "q", 0),
             load_dense_layers(load_ffn_spec(tiny_models["qwen3"]), "bfloat16", "fp32", kernels("vllm").linear),
         )
-    finally:
-        run.close()
 
 
-def _member(run: RunningDeployment, role: str):
-    return next(m for m in run.sup.members if m.name.startswith(role))
+def _member(gen: Generation, role: str):
+    return next(m for m in gen.sup.members if m.name.startswith(role))
 
 
 def test_layer_calls_match_in_process_ffn(pool):
@@ -93,7 +89,7 @@ def test_silent_ffn_agent_times_out(pool):
 def test_dead_atn_agent_fences_the_transport(pool):
     run, rank, _ = pool
     os.kill(_member(run, "AtnAgent").proc.pid, signal.SIGKILL)
-    run.supervise()  # returns at the first member failure, having fenced every mailbox
+    assert run.supervise() is not None  # returns at the first member failure, having fenced every mailbox
     x = torch.zeros(4, 128, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="FFN pool failed: AtnAgent 'atn0' killed by SIGKILL"):
         rank.call(0, x, torch.empty_like(x))
@@ -116,8 +112,8 @@ def test_fence_fails_a_waiting_call(pool):
         t = threading.Thread(target=call)
         t.start()
         time.sleep(0.3)
-        run.sup.fail("test failure")
-        run.fence()
+        run.state.fail("test failure", "test")
+        run.fence("test failure")
         t.join(timeout=1)
         assert not t.is_alive() and errors == ["FFN pool failed: test failure during layer 0 of q"]
     finally:
@@ -128,3 +124,25 @@ def test_probe_round_trip(pool):
     _, rank, _ = pool
     for _ in range(100):
         rank.probe()
+
+
+def test_layers_spread_over_two_agents(tiny_models, no_leftovers):
+    d = parse_deployment(f'''
+[[ffn_agent]]
+id = "ffn0"
+[[ffn_agent]]
+id = "ffn1"
+[[model]]
+id = "q"
+path = "{tiny_models["qwen3"]}"
+engine = "vllm"
+''')
+    reference = load_dense_layers(load_ffn_spec(tiny_models["qwen3"]), "bfloat16", "fp32", kernels("vllm").linear)
+    with running_pool(resolve(d)) as gen:
+        assert gen.plan.model("q").layer_agents == [["ffn0"], ["ffn1"]]
+        rank = RankTransport.attach(gen.plan, "q", 0)
+        x = torch.randn(8, 128, dtype=torch.bfloat16)
+        for layer in (0, 1):
+            out = torch.empty_like(x)
+            rank.call(layer, x, out)
+            assert torch.equal(out, reference[layer](x))

@@ -1,74 +1,29 @@
-"""`crosspool serve` end to end: real vLLM OpenAI server, real agents, real HTTP."""
+"""`crosspool daemon` with one model, end to end: real vLLM OpenAI server, real agents, real HTTP."""
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
-from crosspool.daemon.supervisor import bind_port
+from conftest import RunningDaemon, model_toml
 
 pytestmark = pytest.mark.engine
 
 
-class Served:
-    def __init__(self, tmp: Path, model: Path, *, eager: bool = True) -> None:
-        self.port = bind_port("127.0.0.1")
-        self.file = tmp / "deployment.toml"
-        self.file.write_text(f'''
-name = "test"
-port = {self.port}
-[limits]
-max_batched_tokens = 512
-ffn_timeout_s = 5
-[[model]]
-id = "smollm2-135m"
-path = "{model}"
-engine = "vllm"
-max_model_len = 1024
-enforce_eager = {str(eager).lower()}
-''')
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "crosspool", "serve", str(self.file)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        self.stderr: list[str] = []
-        threading.Thread(target=lambda: self.stderr.extend(self.proc.stderr), daemon=True).start()
-        ready = self.proc.stdout.readline()  # the ready line, or EOF if serve failed
-        assert ready.startswith("crosspool: ready in"), "".join(self.stderr[-30:])
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        return self.proc.wait(timeout=timeout)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-
-
-def _pid_of(pattern: str) -> int:
-    out = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()
-    assert out, f"no process matches {pattern!r}"
-    return int(out[0])
-
-
-def test_chat_paris_and_clean_stop(tmp_path, smollm2, no_leftovers):
-    served = Served(tmp_path, smollm2)
+def test_chat_paris_status_and_clean_stop(tmp_path, smollm2, no_leftovers):
+    served = RunningDaemon(tmp_path, model_toml("smollm2-135m", smollm2, enforce_eager=True))
     try:
         models = httpx.get(served.url + "/v1/models").json()
         assert [m["id"] for m in models["data"]] == ["smollm2-135m"]
+        assert httpx.get(served.control + "/ready").json()["ready"] is True
         r = httpx.post(
             served.url + "/v1/chat/completions",
             timeout=120,
@@ -83,18 +38,33 @@ def test_chat_paris_and_clean_stop(tmp_path, smollm2, no_leftovers):
         assert "Paris" in r.json()["choices"][0]["message"]["content"]
         r = httpx.post(served.url + "/v1/completions", json={"model": "nope", "prompt": "x"})
         assert r.status_code == 404 and "smollm2-135m" in r.json()["error"]["message"]
+        status = served.status()
+        assert status["phase"] == "ready" and status["models"]["smollm2-135m"]["state"] == "serving"
+        assert all(m["registered"] for m in status["members"])
+        table = subprocess.run(
+            [sys.executable, "-m", "crosspool", "status", str(served.file)], capture_output=True, text=True, timeout=60
+        )
+        assert table.returncode == 0 and "Instance 'smollm2-135m' rank 0" in table.stdout, table.stderr
+        assert "serving" in table.stdout and "generation 1 ready" in table.stdout, table.stdout
+        ports = [served.port, served.control_port, int(status["models"]["smollm2-135m"]["url"].rsplit(":", 1)[1])]
+        time.sleep(1)  # one heartbeat interval: the front and the rank report their counters
+        metrics = httpx.get(served.control + "/metrics").text
+        assert 'crosspool_requests_total{code="2xx",model="smollm2-135m"} 1.0' in metrics, metrics
+        assert 'crosspool_ffn_call_seconds_count{model="smollm2-135m"}' in metrics
         assert served.stop() == 0
+        for port in ports:
+            with socket.socket() as probe:
+                assert probe.connect_ex(("127.0.0.1", port)) != 0, f"port {port} still listens"
     finally:
         served.kill()
 
 
 def test_killed_ffn_agent_fails_request_and_deployment(tmp_path, smollm2, no_leftovers):
-    served = Served(tmp_path, smollm2)
+    served = RunningDaemon(tmp_path, model_toml("smollm2-135m", smollm2, enforce_eager=True))
     try:
         result: dict = {}
 
         def long_request() -> None:
-            start = time.monotonic()
             r = httpx.post(
                 served.url + "/v1/completions",
                 timeout=60,
@@ -106,30 +76,19 @@ def test_killed_ffn_agent_fails_request_and_deployment(tmp_path, smollm2, no_lef
                     "ignore_eos": True,
                 },
             )
-            result.update(status=r.status_code, body=r.text, seconds=time.monotonic() - start)
+            result.update(status=r.status_code, body=r.text)
 
         t = threading.Thread(target=long_request)
         t.start()
         time.sleep(3)  # generation under way
         killed_at = time.monotonic()
-        os.kill(_pid_of("crosspool.agents.ffn_agent"), signal.SIGKILL)
+        os.kill(served.pid_of("FfnAgent 'ffn0'"), signal.SIGKILL)
         t.join(timeout=30)
         assert not t.is_alive(), "request hung after the FfnAgent died"
         assert time.monotonic() - killed_at < 10
         assert result["status"] == 503, result
         assert "FfnAgent 'ffn0'" in result["body"], result
-        assert served.proc.wait(timeout=60) != 0
-        assert any("failure: FfnAgent 'ffn0' killed by SIGKILL" in line for line in served.stderr)
-    finally:
-        served.kill()
-
-
-def test_sigkilled_serve_takes_members_down(tmp_path, smollm2, no_leftovers):
-    served = Served(tmp_path, smollm2)
-    try:
-        served.proc.kill()
-        served.proc.wait()
-        # Members get SIGTERM through PR_SET_PDEATHSIG and unlink their own segments;
-        # no_leftovers then checks that no process or crosspool segment is left.
+        assert served.proc.wait(timeout=90) != 0
+        assert any("failure: FfnAgent 'ffn0' killed by SIGKILL" in line for line in served.stderr), served.stderr[-20:]
     finally:
         served.kill()

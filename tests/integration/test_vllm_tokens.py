@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import random
-import time
 
 import pytest
 
 from crosspool.config import parse_deployment
-from crosspool.daemon.serve import RunningDeployment
+from crosspool.daemon.daemon import running_pool
 from crosspool.integrations.vllm.offline import generate_in_child
-from crosspool.plan import build_plan, resolve_specs
+from crosspool.plan import resolve
 
 pytestmark = pytest.mark.engine
 MAX_BATCHED = 512
@@ -38,11 +37,7 @@ enforce_eager = {str(mode == "eager").lower()}
     m = d.model[0]
     prompts = _prompts(vocab)
     native = generate_in_child(m, MAX_BATCHED, [prompts], 32, None)["runs"][0]["tokens"]
-    run = RunningDeployment(d, build_plan(d, resolve_specs(d, "t"), "t"))
-    try:
-        run.start_pool(time.monotonic() + 120)
-        pooled = generate_in_child(m, MAX_BATCHED, [prompts], 32, run.plan_path)["runs"][0]["tokens"]
-    finally:
-        run.close()
+    with running_pool(resolve(d)) as gen:
+        pooled = generate_in_child(m, MAX_BATCHED, [prompts], 32, gen.plan_path)["runs"][0]["tokens"]
     assert all(len(t) == 32 for t in pooled)
     assert pooled == native

@@ -23,7 +23,7 @@ engine = "vllm"
 def test_valid_defaults(tiny_models):
     d = parse_deployment(_toml(tiny_models["qwen3"]))
     assert d.model[0].dtype == "bfloat16"
-    assert d.attention_of(d.model[0]) == "atn0" and d.ffn_of(d.model[0]) == "ffn0"
+    assert d.attention_of(d.model[0]) == "atn0" and d.ffn_agents_of(d.model[0]) == ["ffn0"] and d.control == 8001
     assert d.digest() == parse_deployment(_toml(tiny_models["qwen3"])).digest()
 
 
@@ -70,7 +70,7 @@ def _single_error(r: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
-@pytest.mark.parametrize("command", ["serve", "config check"])
+@pytest.mark.parametrize("command", ["daemon", "config check"])
 def test_bad_inputs_fail_with_one_line(tmp_path, tiny_models, command, no_leftovers):
     unsupported = tmp_path / "unsupported"
     unsupported.mkdir()
@@ -98,7 +98,7 @@ def test_memory_budget_refused_with_amount(tmp_path, tiny_models):
     f = tmp_path / "d.toml"
     f.write_text(_toml(tiny_models["qwen3"], extra='[[ffn_agent]]\nid = "ffn0"\nmemory_gib = 0.0001'))
     line = _single_error(_cli("config", "check", str(f)))
-    assert "ffn_agent[0].memory_gib" in line and "GiB over the budget" in line
+    assert "ffn_agent: FFN weights of ['m'] need" in line and "GiB over the budget" in line, line
 
 
 def test_bench_options_reach_the_benchmark():

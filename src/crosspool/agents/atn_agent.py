@@ -9,6 +9,7 @@ per layer call on a 2-core host). Failures reach waiting ranks through the mailb
 from __future__ import annotations
 
 from crosspool.agents.process import AgentProcess
+from crosspool.ipc import unlink_segments
 from crosspool.transport.mailbox import Mailbox
 
 
@@ -25,6 +26,9 @@ class AtnAgent:
         finally:
             for mb in self.mailboxes:
                 mb.seg.unlink()
+            if self.proc.supervisor_gone():
+                # Nobody else will clean up after members that died with the daemon.
+                unlink_segments(self.proc.plan.shm_prefix)
 
 
 def main(argv: list[str] | None = None) -> None:

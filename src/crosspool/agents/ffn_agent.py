@@ -21,6 +21,7 @@ from crosspool.agents.process import AgentProcess
 from crosspool.fabric.inbox import Inbox
 from crosspool.integrations import kernels
 from crosspool.ipc import SLICE_S
+from crosspool.metrics import MemberMetrics
 from crosspool.models.spec import load_ffn_spec
 from crosspool.plan import MailboxPlan
 from crosspool.transport.mailbox import (
@@ -44,6 +45,7 @@ class Served:
     mailbox: Mailbox
     layers: dict[int, GatedDenseFfn]
     claimed: int  # the last request sequence this agent claimed or saw pass
+    executed: int = 0
 
 
 @dataclass(frozen=True)
@@ -121,6 +123,14 @@ class FfnAgent:
                 raise
         else:
             mb.reply(call.seq, STATUS_OK)
+            call.served.executed += 1
+
+    def metrics(self) -> MemberMetrics:
+        executed: dict[str, int] = {}
+        for s in self.served:
+            executed[s.plan.model] = executed.get(s.plan.model, 0) + s.executed
+        pending = sum(1 for s in self.served if s.mailbox.words[W_REQ_SEQ] != s.claimed)
+        return MemberMetrics(executed=executed, queue_depth=pending)
 
     def lane(self) -> None:
         stop, doorbell = self.proc.stop, self.inbox.doorbell
@@ -136,7 +146,7 @@ class FfnAgent:
         threads = [threading.Thread(target=self.lane, name=f"lane{i}", daemon=True) for i in range(self.lanes)]
         for t in threads:
             t.start()
-        self.proc.ready()
+        self.proc.ready(self.metrics)
         try:
             self.proc.wait_for_stop()
         finally:

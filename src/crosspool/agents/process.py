@@ -1,4 +1,5 @@
-"""What every agent process shares: its command line, readiness report and orderly stop."""
+"""What every agent process shares: its command line, registration with the daemon, heartbeats
+and orderly stop."""
 
 from __future__ import annotations
 
@@ -7,9 +8,12 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
-from crosspool.ipc import die_with_supervisor
+from crosspool.daemon.client import ControlClient
+from crosspool.ipc import ENV_SUPERVISOR_PID, die_with_supervisor
+from crosspool.metrics import MemberMetrics
 from crosspool.plan import Plan
 
 
@@ -18,11 +22,10 @@ class AgentProcess:
         parser = argparse.ArgumentParser(prog=f"crosspool-{role}")
         parser.add_argument("--plan", type=Path, required=True)
         parser.add_argument("--id", required=True)
-        parser.add_argument("--ready-fd", type=int, default=-1)
         args = parser.parse_args(argv)
         self.role, self.id = role, args.id
         self.plan = Plan.model_validate_json(args.plan.read_text())
-        self._ready_fd = args.ready_fd
+        self.control = ControlClient(self.plan, role, self.id)
         self.stop = threading.Event()
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
@@ -34,18 +37,25 @@ class AgentProcess:
     def log(self, message: str) -> None:
         print(f"[{self.role} {self.id}] {message}", file=sys.stderr, flush=True)
 
-    def ready(self) -> None:
-        if self._ready_fd >= 0:
-            os.write(self._ready_fd, b"ready\n")
-            os.close(self._ready_fd)
+    def ready(self, metrics: Callable[[], MemberMetrics] = MemberMetrics) -> None:
+        """Register with the daemon (the readiness report) and start heartbeats."""
+        self.control.register()
+        self.control.start_heartbeats(metrics)
         self.log("ready")
 
     def fail(self, message: str) -> None:
-        """A fatal error of this agent: logged, then the process exits non-zero."""
+        """A fatal error of this agent: reported to the daemon, logged, then the process exits non-zero."""
         self.log(f"error: {message}")
+        self.control.report_failure(f"{self.role} {self.id!r}: {message}")
         self.stop.set()
         os._exit(1)
+
+    def supervisor_gone(self) -> bool:
+        """The daemon that started this process is gone (this process was re-parented)."""
+        supervisor = os.environ.get(ENV_SUPERVISOR_PID)
+        return supervisor is not None and os.getppid() != int(supervisor)
 
     def wait_for_stop(self) -> None:
         while not self.stop.wait(0.5):
             pass
+        self.control.close()

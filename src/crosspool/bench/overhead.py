@@ -25,11 +25,11 @@ import torch
 
 from crosspool.agents.ffn.weights import load_dense_layers
 from crosspool.config import parse_deployment
-from crosspool.daemon.serve import RunningDeployment
+from crosspool.daemon.daemon import running_pool
 from crosspool.integrations import kernels
 from crosspool.integrations.vllm.offline import generate_in_child
 from crosspool.models.spec import load_ffn_spec
-from crosspool.plan import build_plan, resolve_specs
+from crosspool.plan import Plan, resolve
 from crosspool.transport.mailbox import RankTransport
 
 
@@ -53,11 +53,10 @@ def _quantiles(samples: list[float]) -> dict[str, float]:
     return {p: ordered[min(len(ordered) - 1, int(q * len(ordered)))] for p, q in (("p50", 0.5), ("p99", 0.99))}
 
 
-def round_trips(run: RunningDeployment, calls: int) -> dict:
+def round_trips(plan: Plan, calls: int) -> dict:
     """Timed from the rank's side, each in its own loop: a probe (Transport + Fabric, no FFN
     compute), a real one-row layer call, and the same layer computed in this process with the
     FfnAgent's thread count."""
-    plan = run.plan
     model = plan.models[0]
     rank = RankTransport.attach(plan, model.id, 0)
     spec, linear = load_ffn_spec(model.path), kernels(model.engine).linear
@@ -120,15 +119,11 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"native vLLM ({args.dtype}, {'eager' if args.eager else 'compile'}) ...", file=sys.stderr, flush=True)
     native = measure(None)
-    run = RunningDeployment(d, build_plan(d, resolve_specs(d, "bench"), "bench"))
-    try:
-        run.start_pool(time.monotonic() + 300)
+    with running_pool(resolve(d, "bench")) as gen:
         print("CrossPool ...", file=sys.stderr, flush=True)
-        pooled = measure(run.plan_path)
+        pooled = measure(gen.plan_path)
         print("round trips ...", file=sys.stderr, flush=True)
-        rt = round_trips(run, args.round_trips)
-    finally:
-        run.close()
+        rt = round_trips(gen.plan, args.round_trips)
     result = {
         "model": str(model),
         "dtype": args.dtype,

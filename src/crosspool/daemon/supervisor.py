@@ -1,4 +1,4 @@
-"""Member processes of a deployment: start, readiness, first failure, ordered stop, cleanup.
+"""Child processes of a generation: start, exit, ordered stop, cleanup.
 
 Each member runs in its own process group, so stopping it also stops what it spawned (vLLM's
 EngineCore and workers). Output is forwarded line by line with the member's name; agents'
@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -25,8 +24,12 @@ from crosspool.ipc import ENV_SUPERVISOR_PID, SHM_DIR, unlink_segments
 ENGINE_LEFTOVERS = ("sem.mp-", "psm_", "sglang_", "sgl_shm_mq_")
 
 
+def log(message: str) -> None:
+    print(f"crosspool: {message}", file=sys.stderr, flush=True)
+
+
 @dataclass
-class Member:
+class Child:
     name: str  # e.g. "FfnAgent 'ffn0'"
     proc: subprocess.Popen[bytes]
     stop_order: int
@@ -44,74 +47,33 @@ class Member:
 class Supervisor:
     def __init__(self, shm_prefix: str) -> None:
         self.shm_prefix = shm_prefix
-        self.members: list[Member] = []
-        self.failure: str | None = None
-        self._lock = threading.Lock()
+        self.members: list[Child] = []
+        self.stopped = False
         self._started = time.time()
         self._shm_before = {p.name for p in SHM_DIR.iterdir()}
 
-    def log(self, message: str) -> None:
-        print(f"crosspool: {message}", file=sys.stderr, flush=True)
-
-    def fail(self, reason: str) -> None:
-        """Record the deployment's failure; the first one wins."""
-        with self._lock:
-            if self.failure is None:
-                self.failure = reason
-                self.log(f"failure: {reason}")
-
-    def _forward(self, member: Member, stream: object) -> None:
+    def _forward(self, member: Child, stream: object) -> None:
         for raw in iter(stream.readline, b""):  # type: ignore[attr-defined]
             line = raw.decode(errors="replace").rstrip()
             if "] error: " in line and line.startswith("["):
                 member.errors.append(line.split("] error: ", 1)[1])
             print(f"{member.name}| {line}", file=sys.stderr, flush=True)
 
-    def start(
-        self, name: str, argv: list[str], env: dict[str, str], *, stop_order: int, ready_pipe: bool = False
-    ) -> tuple[Member, int | None]:
-        """Start a member; with `ready_pipe` it gets --ready-fd and the read end is returned."""
-        read_fd = write_fd = None
-        if ready_pipe:
-            read_fd, write_fd = os.pipe()
-            argv = [*argv, "--ready-fd", str(write_fd)]
-        env = {**env, ENV_SUPERVISOR_PID: str(os.getpid())}
+    def start(self, name: str, argv: list[str], env: dict[str, str], *, stop_order: int) -> Child:
         proc = subprocess.Popen(
             argv,
-            env=env,
+            env={**env, ENV_SUPERVISOR_PID: str(os.getpid())},
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            pass_fds=(write_fd,) if write_fd is not None else (),
         )
-        if write_fd is not None:
-            os.close(write_fd)
-        member = Member(name, proc, stop_order)
+        member = Child(name, proc, stop_order)
         self.members.append(member)
         threading.Thread(target=self._forward, args=(member, proc.stdout), daemon=True).start()
-        return member, read_fd
+        return member
 
-    def wait_ready_pipe(self, member: Member, read_fd: int, deadline: float) -> None:
-        import select
-
-        try:
-            while True:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise RuntimeError(f"{member.name} not ready within the startup timeout")
-                ready, _, _ = select.select([read_fd], [], [], min(left, 0.2))
-                if ready:
-                    if os.read(read_fd, 64).startswith(b"ready"):
-                        return
-                    member.proc.wait(timeout=5)
-                    raise RuntimeError(f"{member.name} {member.exit_text()} during startup")
-                if member.proc.poll() is not None:
-                    raise RuntimeError(f"{member.name} {member.exit_text()} during startup")
-        finally:
-            os.close(read_fd)
-
-    def exited(self) -> Member | None:
+    def exited(self) -> Child | None:
         for member in self.members:
             if member.proc.poll() is not None:
                 return member
@@ -121,7 +83,10 @@ class Supervisor:
         return [e for m in self.members for e in m.errors]
 
     def stop_all(self, grace_s: float) -> None:
-        """Stop members in order (engines, then AtnAgents, then FfnAgents); SIGKILL past the grace."""
+        """Stop members in stop order (engines, front, AtnAgents, FfnAgents); SIGKILL past the grace."""
+        if self.stopped:
+            return
+        self.stopped = True
         for order in sorted({m.stop_order for m in self.members}):
             group = [m for m in self.members if m.stop_order == order]
             for m in group:
@@ -131,7 +96,7 @@ class Supervisor:
                 try:
                     m.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
-                    self.log(f"{m.name} did not stop within {grace_s:g} s; killing it")
+                    log(f"{m.name} did not stop within {grace_s:g} s; killing it")
                 # The group may hold children that outlived the leader.
                 _signal_group(m.proc, signal.SIGKILL)
                 m.proc.wait()
@@ -150,18 +115,11 @@ class Supervisor:
             except FileNotFoundError:
                 continue
         if removed:
-            self.log(f"unlinked {len(removed)} CrossPool shared-memory segment(s) left by stopped members")
+            log(f"unlinked {len(removed)} CrossPool shared-memory segment(s) left by stopped members")
         if stale:
-            self.log(f"removed {len(stale)} engine leftover(s) from /dev/shm: {', '.join(sorted(stale)[:5])}")
+            log(f"removed {len(stale)} engine leftover(s) from /dev/shm: {', '.join(sorted(stale)[:5])}")
 
 
 def _signal_group(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, sig)
-
-
-def bind_port(host: str, port: int = 0) -> int:
-    """Bind and release `port` (0: any free one) on `host`; returns the port. OSError if taken."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host, port))
-        return int(s.getsockname()[1])

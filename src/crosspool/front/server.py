@@ -1,100 +1,199 @@
-"""The deployment's one OpenAI-compatible endpoint: routes by `model` to the serving Instance,
-and turns an engine failure caused by the FFN pool into an error that names the failed member."""
+"""The front process: one OpenAI-compatible endpoint that routes by `model` to the Instance
+serving it, and turns an engine failure caused by the deployment into an error naming the
+failed member (asked from the daemon).
+
+It is a member of its generation like any other: it registers once it listens, sends
+heartbeats (request counts, in-flight requests) and learns the generation's phase from the
+answers, so it refuses new requests as soon as the daemon fails or stops the generation.
+On SIGTERM (the daemon's ordered stop, or the daemon's death through PR_SET_PDEATHSIG) it stops
+accepting and answers every request still in flight with 503 at once: an engine that is being
+stopped may hold its requests open until its own grace ends.
+"""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable
+import os
+from collections.abc import AsyncIterator, Awaitable
+from pathlib import Path
+from types import FrameType
+from typing import TypeVar
 
 import httpx
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-FAILURE_SETTLE_S = 3.0  # how long an upstream error waits for the supervisor to name its cause
+from crosspool.daemon.client import ControlClient
+from crosspool.ipc import ENV_SUPERVISOR_PID, die_with_supervisor
+from crosspool.metrics import MemberMetrics
+from crosspool.plan import Plan
+
+FAILURE_SETTLE_S = 3.0  # how long an upstream error waits for the daemon to name its cause
+REQUEST_TIMEOUT_S = 600.0
+
+
+T = TypeVar("T")
+
+
+class Stopping(Exception):
+    pass
 
 
 def _error(status: int, message: str, kind: str) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
 
 
-def create_front(upstreams: dict[str, str], failure: Callable[[], str | None], request_timeout_s: float) -> FastAPI:
-    """`upstreams`: model id -> engine base URL; `failure`: the deployment's first failure, if any."""
-    app = FastAPI(title="CrossPool", summary="OpenAI-compatible front of a CrossPool deployment")
-    client = httpx.AsyncClient(timeout=httpx.Timeout(request_timeout_s, connect=5.0))
-    app.state.inflight = 0
-    app.state.accepting = True
+class Front:
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+        self.upstreams = {m.id: m.url for m in plan.models}
+        self.control = ControlClient(plan, "front", "front")
+        self.inflight = 0
+        self.requests: dict[str, dict[str, int]] = {}
+        self.daemon = httpx.AsyncClient(base_url=plan.control_url, timeout=2.0)
+        self.stopping: asyncio.Event | None = None  # set on SIGTERM: in-flight requests end now
+        self.loop: asyncio.AbstractEventLoop
 
-    async def named_failure() -> str | None:
+    async def unless_stopping(self, aw: Awaitable[T]) -> T:
+        """Await `aw`, unless the front is told to stop first (then raise Stopping). An engine
+        being stopped may hold a request open until its own grace ends; ours must end at once."""
+        assert self.stopping is not None
+        task = asyncio.ensure_future(aw)
+        stop = asyncio.ensure_future(self.stopping.wait())
+        done, _ = await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            stop.cancel()
+            return task.result()
+        task.cancel()
+        raise Stopping
+
+    def stop_reason(self) -> str:
+        if self.control.failure is not None:
+            return self.control.failure
+        supervisor = os.environ.get(ENV_SUPERVISOR_PID)
+        if supervisor is not None and os.getppid() != int(supervisor):
+            return f"the CrossPool daemon (pid {supervisor}) exited"
+        return "the deployment is shutting down"
+
+    def metrics(self) -> MemberMetrics:
+        return MemberMetrics(requests={m: dict(c) for m, c in self.requests.items()}, inflight=self.inflight)
+
+    def count(self, model: str, status: int) -> None:
+        classes = self.requests.setdefault(model if model in self.upstreams else "unknown", {})
+        key = f"{status // 100}xx"
+        classes[key] = classes.get(key, 0) + 1
+
+    def refusal(self) -> JSONResponse | None:
+        if self.control.failure is not None:
+            return _error(503, f"CrossPool deployment failed: {self.control.failure}", "crosspool_failure")
+        if self.control.phase == "stopping":
+            return _error(503, "CrossPool deployment is shutting down", "crosspool_shutdown")
+        return None
+
+    async def named_failure(self) -> str:
+        """The deployment's failure as the daemon names it (it may take a moment to notice)."""
         loop = asyncio.get_running_loop()
         end = loop.time() + FAILURE_SETTLE_S
-        while (reason := failure()) is None and loop.time() < end:
+        while True:
+            try:
+                failure = (await self.daemon.get("/status")).json()["failure"]
+            except (httpx.HTTPError, ValueError, KeyError):
+                return f"CrossPool daemon at {self.plan.control_url} unreachable (the deployment is stopping)"
+            if failure is not None or loop.time() > end:
+                return failure or "no member failure reported"
             await asyncio.sleep(0.05)
-        return reason
 
-    async def failed_response(upstream_error: str) -> JSONResponse:
-        reason = await named_failure()
-        if reason is not None:
-            return _error(503, f"CrossPool deployment failed: {reason}", "crosspool_failure")
-        return _error(502, f"engine error: {upstream_error}", "engine_failure")
+    async def failed_response(self, upstream_error: str) -> JSONResponse:
+        reason = await self.named_failure()
+        return _error(
+            503, f"CrossPool deployment failed: {reason} (engine said: {upstream_error[:200]})", "crosspool_failure"
+        )
+
+
+def create_front(front: Front) -> FastAPI:
+    app = FastAPI(title="CrossPool", summary="OpenAI-compatible endpoint of a CrossPool deployment")
+    client = httpx.AsyncClient(timeout=httpx.Timeout(REQUEST_TIMEOUT_S, connect=5.0))
 
     @app.get("/health")
     async def health() -> Response:
-        reason = failure()
-        if reason is not None:
-            return _error(503, f"CrossPool deployment failed: {reason}", "crosspool_failure")
-        return JSONResponse({"status": "ok"})
+        return front.refusal() or JSONResponse({"status": "ok"})
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        data = [{"id": m, "object": "model", "owned_by": "crosspool"} for m in upstreams]
+        data = [{"id": m, "object": "model", "owned_by": "crosspool"} for m in front.upstreams]
         return JSONResponse({"object": "list", "data": data})
 
     async def forward(request: Request, path: str) -> Response:
-        app.state.inflight += 1
+        front.inflight += 1
+        model = "unknown"
         try:
-            return await _forward(request, path)
+            body = await request.body()
+            try:
+                model = json.loads(body).get("model")
+            except (json.JSONDecodeError, AttributeError, UnicodeDecodeError):
+                model = "unknown"
+                return _error(400, "request body must be a JSON object with a 'model' field", "invalid_request_error")
+            if not isinstance(model, str) or model not in front.upstreams:
+                return _error(
+                    404, f"model {model!r} is not served; served models: {sorted(front.upstreams)}", "not_found_error"
+                )
+            refusal = front.refusal()
+            if refusal is not None:
+                return refusal
+            try:
+                response = await front.unless_stopping(_forward(body, front.upstreams[model] + path))
+            except Stopping:
+                response = _error(503, f"CrossPool deployment failed: {front.stop_reason()}", "crosspool_failure")
         finally:
-            app.state.inflight -= 1
+            front.inflight -= 1
+        front.count(model, response.status_code)
+        return response
 
-    async def _forward(request: Request, path: str) -> Response:
-        if not app.state.accepting:
-            return _error(503, "CrossPool deployment is shutting down", "crosspool_shutdown")
-        reason = failure()
-        if reason is not None:
-            return _error(503, f"CrossPool deployment failed: {reason}", "crosspool_failure")
-        body = await request.body()
-        try:
-            model = json.loads(body).get("model")
-        except (json.JSONDecodeError, AttributeError):
-            return _error(400, "request body must be a JSON object with a 'model' field", "invalid_request_error")
-        if model not in upstreams:
-            return _error(404, f"model {model!r} is not served; served models: {sorted(upstreams)}", "not_found_error")
-        upstream = client.build_request(
-            "POST", upstreams[model] + path, content=body, headers={"content-type": "application/json"}
-        )
+    async def stream_error(upstream_error: str) -> bytes:
+        reason = await front.named_failure()
+        message = f"CrossPool deployment failed: {reason} (engine said: {upstream_error[:200]})"
+        return f"data: {json.dumps({'error': {'message': message, 'code': 503}})}\n\n".encode()
+
+    async def _forward(body: bytes, url: str) -> Response:
+        upstream = client.build_request("POST", url, content=body, headers={"content-type": "application/json"})
         try:
             resp = await client.send(upstream, stream=True)
         except httpx.HTTPError as e:
-            return await failed_response(f"{type(e).__name__}: {e}")
+            return await front.failed_response(f"{type(e).__name__}: {e}")
         if resp.status_code >= 500:
             text = (await resp.aread()).decode(errors="replace")
             await resp.aclose()
-            return await failed_response(f"HTTP {resp.status_code}: {text[:300]}")
+            return await front.failed_response(f"HTTP {resp.status_code}: {text}")
         if not resp.headers.get("content-type", "").startswith("text/event-stream"):
             content = await resp.aread()
             await resp.aclose()
             return Response(content, status_code=resp.status_code, media_type=resp.headers.get("content-type"))
 
         async def events() -> AsyncIterator[bytes]:
+            # Line by line: vLLM reports an engine death inside a stream as an error event whose
+            # text cannot name the cause ("EngineCore encountered an issue"); the front replaces it.
+            front.inflight += 1
+            lines = resp.aiter_lines()
             try:
-                async for chunk in resp.aiter_raw():
-                    yield chunk
+                while True:
+                    try:
+                        line = await front.unless_stopping(anext(lines))
+                    except StopAsyncIteration:
+                        return
+                    if line.startswith('data: {"error"'):
+                        yield await stream_error(line[6:])
+                        return
+                    yield (line + "\n").encode()
             except httpx.HTTPError as e:
-                reason = await named_failure() or f"engine stream broke: {e}"
-                event = {"error": {"message": f"CrossPool deployment failed: {reason}"}}
-                yield f"data: {json.dumps(event)}\n\n".encode()
+                yield await stream_error(f"stream broke: {e}")
+            except Stopping:
+                message = f"CrossPool deployment failed: {front.stop_reason()}"
+                yield f"data: {json.dumps({'error': {'message': message, 'code': 503}})}\n\n".encode()
             finally:
+                front.inflight -= 1
                 await resp.aclose()
 
         return StreamingResponse(events(), status_code=resp.status_code, media_type="text/event-stream")
@@ -107,8 +206,52 @@ def create_front(upstreams: dict[str, str], failure: Callable[[], str | None], r
     async def completions(request: Request) -> Response:
         return await forward(request, "/v1/completions")
 
+    @app.on_event("startup")
+    async def join() -> None:
+        front.stopping, front.loop = asyncio.Event(), asyncio.get_running_loop()
+        # uvicorn runs startup before it listens; registering from a thread a moment later would
+        # race the port. The daemon also checks the port itself before it reports ready.
+        front.control.register()
+        front.control.start_heartbeats(front.metrics)
+
     @app.on_event("shutdown")
-    async def close_client() -> None:
+    async def close() -> None:
+        front.control.close()
         await client.aclose()
+        await front.daemon.aclose()
 
     return app
+
+
+class FrontServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, front: Front) -> None:
+        super().__init__(config)
+        self.front = front
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # Runs in the event loop's thread; requests in flight answer 503 right away.
+        if self.front.stopping is not None:
+            self.front.loop.call_soon_threadsafe(self.front.stopping.set)
+        super().handle_exit(sig, frame)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="crosspool-front")
+    parser.add_argument("--plan", type=Path, required=True)
+    parser.add_argument("--grace-s", type=float, default=10.0)
+    args = parser.parse_args(argv)
+    die_with_supervisor()
+    plan = Plan.model_validate_json(args.plan.read_text())
+    front = Front(plan)
+    config = uvicorn.Config(
+        create_front(front),
+        host=plan.host,
+        port=plan.port,
+        log_level="warning",
+        timeout_graceful_shutdown=int(args.grace_s),
+    )
+    FrontServer(config, front).run()
+
+
+if __name__ == "__main__":
+    main()

@@ -73,14 +73,22 @@ def prepare_smollm2(cache: Path = DEFAULT_CACHE) -> Path:
 TINY_FAMILIES = ("llama", "qwen2", "qwen3")
 
 
-def make_tiny_checkpoint(family: str, out: Path, *, seed: int = 0, layers: int = 2) -> Path:
-    """A tiny random checkpoint (bf16) of a supported family; same seed, same bytes."""
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+def make_tiny_checkpoint(
+    family: str, out: Path, *, seed: int = 0, layers: int = 2, tokenizer: Path | None = None
+) -> Path:
+    """A tiny random checkpoint (bf16) of a supported family; same seed, same bytes. With
+    `tokenizer` (a checkpoint dir) it gets that tokenizer and its vocabulary size, so an
+    OpenAI server can serve it."""
     if (out / DONE_MARKER).exists():
         return out
     import transformers
 
+    vocab = len(transformers.AutoTokenizer.from_pretrained(tokenizer)) if tokenizer else 512
     common: dict[str, Any] = dict(
-        vocab_size=512,
+        vocab_size=vocab,
         hidden_size=128,
         intermediate_size=256,
         num_hidden_layers=layers,
@@ -103,4 +111,8 @@ def make_tiny_checkpoint(family: str, out: Path, *, seed: int = 0, layers: int =
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     _save_checkpoint(model, tmp, torch.bfloat16)
+    if tokenizer is not None:
+        for name in TOKENIZER_FILES:
+            if (tokenizer / name).exists():
+                shutil.copy(tokenizer / name, tmp / name)
     return _finish(tmp, out)

@@ -21,6 +21,7 @@ import torch
 
 from crosspool.fabric.inbox import Inbox
 from crosspool.ipc import PeerDied, Segment, futex_wake, wait_word_change
+from crosspool.metrics import LatencyHistogram, MemberMetrics
 from crosspool.plan import Plan
 
 MAGIC = 0xC5055003
@@ -139,6 +140,7 @@ class RankTransport:
         self.peers = {inbox.agent: inbox.peer() for group in layer_inboxes for inbox in group}
         self.bound_s = timeout_s
         self.seq = w[W_REQ_SEQ]
+        self.latency = LatencyHistogram()
         w[W_RANK_PID] = os.getpid()
 
     def _check(self, group: list[Inbox]) -> None:
@@ -165,9 +167,14 @@ class RankTransport:
             )
         if rows == 0:
             return
+        start = time.perf_counter()
         mb.input[:rows].copy_(hidden)
         self._round_trip(layer, rows, self.layer_inboxes[layer])
         out.copy_(mb.output[:rows])
+        self.latency.observe(time.perf_counter() - start)
+
+    def metrics(self) -> MemberMetrics:
+        return MemberMetrics(ffn_calls={self.model: self.latency.snapshot()})
 
     def probe(self, rows: int = 1) -> None:
         """A call the first FfnAgent answers without computing: the Transport+Fabric round trip."""

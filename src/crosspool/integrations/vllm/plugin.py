@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from crosspool import ops
+from crosspool.daemon.client import ControlClient
 from crosspool.integrations.vllm.options import UNSUPPORTED
 from crosspool.ipc import die_with_supervisor
 from crosspool.models.spec import ModelFfnSpec, load_ffn_spec
@@ -64,7 +65,12 @@ def _attach() -> None:
     problems = _runtime_problems(get_current_vllm_config(), model, _state["spec"])
     if problems:
         raise RuntimeError("CrossPool cannot serve this vLLM configuration: " + "; ".join(problems))
-    ops.attach(RankTransport.attach(plan, model.id, get_tensor_model_parallel_rank()))
+    rank = get_tensor_model_parallel_rank()
+    transport = RankTransport.attach(plan, model.id, rank)
+    control = ControlClient(plan, "rank", model.id, rank)
+    control.register()
+    control.start_heartbeats(transport.metrics)
+    ops.attach(transport)
 
 
 class CrossPoolFfn(nn.Module):

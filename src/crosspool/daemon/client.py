@@ -1,0 +1,66 @@
+"""A member's link to the daemon: register once, send heartbeats (with metrics), report failures.
+
+Used by every member process (agents, Instance ranks inside the engine, the front). A member
+that cannot register does not start; a heartbeat that does not get through is retried at the
+next interval (the daemon declares the member dead when they stay away).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from collections.abc import Callable
+
+import httpx
+
+from crosspool.metrics import MemberMetrics
+from crosspool.plan import Plan
+
+REQUEST_TIMEOUT_S = 5.0
+
+
+class ControlClient:
+    def __init__(self, plan: Plan, role: str, ident: str, rank: int = 0) -> None:
+        self.plan = plan
+        self.ref = {"role": role, "id": ident, "rank": rank, "generation": plan.generation}
+        self.http = httpx.Client(base_url=plan.control_url, timeout=REQUEST_TIMEOUT_S)
+        self.phase = "starting"
+        self.failure: str | None = None
+        self._stop = threading.Event()
+
+    def _post(self, path: str, body: dict) -> dict:
+        try:
+            r = self.http.post(path, json={**self.ref, **body})
+        except httpx.HTTPError as e:
+            raise RuntimeError(f"CrossPool daemon at {self.plan.control_url} unreachable: {e}") from None
+        if r.status_code != 200:
+            detail = r.json().get("detail") if r.headers.get("content-type") == "application/json" else r.text
+            raise RuntimeError(f"CrossPool daemon refused {path}: HTTP {r.status_code}: {detail}")
+        answer: dict = r.json()
+        self.phase, self.failure = answer["phase"], answer["failure"]
+        return answer
+
+    def register(self) -> None:
+        self._post("/v1/members", {"pid": os.getpid(), "fingerprint": self.plan.fingerprint()})
+
+    def report_failure(self, reason: str) -> None:
+        try:
+            self._post("/v1/failures", {"reason": reason[:2000]})
+        except RuntimeError as e:
+            print(f"crosspool: could not report failure to the daemon: {e}", file=sys.stderr, flush=True)
+
+    def start_heartbeats(self, metrics: Callable[[], MemberMetrics] = MemberMetrics) -> None:
+        def beat() -> None:
+            seq = 0
+            while not self._stop.wait(self.plan.heartbeat_interval_s):
+                seq += 1
+                try:
+                    self._post("/v1/heartbeats", {"seq": seq, "metrics": metrics().model_dump()})
+                except RuntimeError:
+                    continue  # the daemon decides what silence means
+
+        threading.Thread(target=beat, name="crosspool-heartbeat", daemon=True).start()
+
+    def close(self) -> None:
+        self._stop.set()

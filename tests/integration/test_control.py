@@ -1,0 +1,116 @@
+"""The daemon's control API over real HTTP (uvicorn on a loopback port): registration refusals,
+heartbeats and metrics, and a schemathesis fuzz from the API's own OpenAPI schema."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+import schemathesis
+import uvicorn
+from hypothesis import HealthCheck, given, settings
+from schemathesis.checks import not_a_server_error
+from schemathesis.specs.openapi.checks import response_schema_conformance, status_code_conformance
+
+from crosspool.config import parse_deployment
+from crosspool.daemon.control import ControlState, create_control_app
+from crosspool.ipc import bind_port
+from crosspool.plan import resolve
+
+
+@pytest.fixture(scope="module")
+def control(tiny_models):
+    d = parse_deployment(f'''
+[[model]]
+id = "q"
+path = "{tiny_models["qwen3"]}"
+engine = "vllm"
+''')
+    state = ControlState(resolve(d).plan(), "http://127.0.0.1:8000/v1", heartbeat_timeout_s=5)
+    port = bind_port("127.0.0.1")
+    server = uvicorn.Server(uvicorn.Config(create_control_app(state), host="127.0.0.1", port=port, log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.02)
+    yield state, f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+def _member(state: ControlState, role: str, ident: str, **extra) -> dict:
+    body = {"role": role, "id": ident, "rank": 0, "generation": 1, "pid": 1, "fingerprint": state.plan.fingerprint()}
+    return {**body, **extra}
+
+
+def test_registration_refusals(control):
+    state, url = control
+    r = httpx.get(url + "/ready")
+    assert r.status_code == 503
+    assert "FfnAgent 'ffn0'" in r.json()["waiting_for"] and "Instance 'q' rank 0" in r.json()["waiting_for"]
+
+    r = httpx.post(url + "/v1/members", json=_member(state, "FfnAgent", "ffn9"))
+    assert r.status_code == 409 and "FfnAgent 'ffn9' is not a member of this deployment" in r.json()["detail"]
+
+    r = httpx.post(url + "/v1/members", json=_member(state, "FfnAgent", "ffn0", fingerprint="0" * 16))
+    assert r.status_code == 409 and "not the same deployment" in r.json()["detail"], r.text
+
+    r = httpx.post(url + "/v1/members", json=_member(state, "FfnAgent", "ffn0", generation=7))
+    assert r.status_code == 409 and "belongs to generation 7" in r.json()["detail"]
+
+    r = httpx.post(url + "/v1/members", json=_member(state, "FfnAgent", "ffn0"))
+    assert r.status_code == 200 and r.json()["generation"] == 1
+    r = httpx.post(url + "/v1/members", json=_member(state, "FfnAgent", "ffn0", pid=2))
+    assert r.status_code == 409 and "FfnAgent 'ffn0' is already registered by pid 1" in r.json()["detail"]
+    assert "FfnAgent 'ffn0'" not in httpx.get(url + "/ready").json()["waiting_for"]
+
+
+def test_heartbeat_watermark_and_metrics(control):
+    state, url = control
+    assert httpx.post(url + "/v1/members", json=_member(state, "rank", "q")).status_code == 200
+    calls = {"count": 3, "sum_s": 0.003, "buckets": [0, 0, 0, 0, 0, 3] + [0] * 9}
+    hb = {"role": "rank", "id": "q", "rank": 0, "generation": 1, "seq": 1, "metrics": {"ffn_calls": {"q": calls}}}
+    assert httpx.post(url + "/v1/heartbeats", json=hb).status_code == 200
+    r = httpx.post(url + "/v1/heartbeats", json=hb)
+    assert r.status_code == 409 and "heartbeat 1 is not after 1" in r.json()["detail"]
+    calls2 = {**calls, "count": 5, "buckets": [0, 0, 0, 0, 0, 5] + [0] * 9}
+    assert (
+        httpx.post(url + "/v1/heartbeats", json={**hb, "seq": 2, "metrics": {"ffn_calls": {"q": calls2}}}).status_code
+        == 200
+    )
+    text = httpx.get(url + "/metrics").text
+    assert 'crosspool_ffn_call_seconds_count{model="q"} 5.0' in text
+    assert "crosspool_generation 1.0" in text
+    status = httpx.get(url + "/status").json()
+    assert status["generation"] == 1 and status["phase"] == "starting"
+
+
+def test_unregistered_failure_report_is_refused(control):
+    state, url = control
+    body = {"role": "AtnAgent", "id": "atn0", "rank": 0, "generation": 1, "reason": "x"}
+    r = httpx.post(url + "/v1/failures", json=body)
+    assert r.status_code == 409 and state.failure is None
+
+
+def test_fuzz_control_api(control):
+    """Every operation, generated from the published schema: no 5xx, documented status codes,
+    responses that match the schema (/ready answers 503 until ready, as documented), and only a
+    well-formed failure report of a registered member may fail the generation."""
+    state, url = control
+    schema = schemathesis.openapi.from_url(url + "/openapi.json")
+    operations = [result.ok() for result in schema.get_all_operations()]
+    assert {op.path for op in operations} >= {"/v1/members", "/v1/heartbeats", "/v1/failures", "/ready", "/status"}
+    for op in operations:
+        _fuzz(op, [status_code_conformance, response_schema_conformance] + [not_a_server_error] * (op.path != "/ready"))
+    assert state.failure_kind in (None, "reported")  # only a well-formed report of a member may fail it
+
+
+def _fuzz(op, checks) -> None:
+    @given(op.as_strategy())
+    @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    def run(case) -> None:
+        case.call_and_validate(checks=checks)
+
+    run()

@@ -1,0 +1,45 @@
+import pytest
+
+from crosspool.placement import ModelLayers, PlacementError, place_layers
+
+MIB = 2**20
+
+
+def test_layers_spread_evenly_in_contiguous_ranges():
+    models = [ModelLayers("a", [10 * MIB] * 30, ["f0", "f1", "f2"])]
+    placed = place_layers(models, {"f0": 200 * MIB, "f1": 200 * MIB, "f2": 200 * MIB})
+    assert placed == {"a": ["f0"] * 10 + ["f1"] * 10 + ["f2"] * 10}
+
+
+def test_pinned_model_stays_and_others_fill_around_it():
+    models = [ModelLayers("big", [10 * MIB] * 8, ["f0"]), ModelLayers("small", [10 * MIB] * 4, ["f0", "f1"])]
+    placed = place_layers(models, {"f0": 100 * MIB, "f1": 100 * MIB})
+    assert placed["big"] == ["f0"] * 8
+    assert placed["small"] == ["f1"] * 4
+
+
+def test_budgets_follow_memory():
+    models = [ModelLayers("a", [MIB] * 12, ["f0", "f1"])]
+    placed = place_layers(models, {"f0": 3 * MIB, "f1": 9 * MIB})
+    assert placed["a"].count("f0") == 3 and placed["a"].count("f1") == 9
+
+
+def test_deterministic():
+    models = [ModelLayers("a", [3 * MIB, 5 * MIB] * 7, ["f0", "f1"]), ModelLayers("b", [4 * MIB] * 9, ["f0", "f1"])]
+    budgets = {"f0": 64 * MIB, "f1": 64 * MIB}
+    assert all(place_layers(models, budgets) == place_layers(models, budgets) for _ in range(3))
+
+
+def test_refusal_says_by_how_much():
+    models = [ModelLayers("a", [2**30] * 3, ["f0", "f1"])]
+    with pytest.raises(
+        PlacementError, match=r"need 3.000 GiB on ffn_agent \['f0', 'f1'\] with 2.000 GiB .*1.000 GiB over"
+    ):
+        place_layers(models, {"f0": 2**30, "f1": 2**30})
+
+
+def test_refusal_when_layers_do_not_pack():
+    # 3 GiB total fits 2 x 1.6 GiB, but no agent can take two 1 GiB layers
+    models = [ModelLayers("a", [2**30] * 3, ["f0", "f1"])]
+    with pytest.raises(PlacementError, match="do not pack"):
+        place_layers(models, {"f0": int(1.6 * 2**30), "f1": int(1.6 * 2**30)})
