@@ -129,7 +129,9 @@ class FfnAgent:
         executed: dict[str, int] = {}
         for s in self.served:
             executed[s.plan.model] = executed.get(s.plan.model, 0) + s.executed
-        pending = sum(1 for s in self.served if s.mailbox.words[W_REQ_SEQ] != s.claimed)
+        pending = sum(
+            1 for s in self.served if s.mailbox.words[W_REQ_SEQ] != s.claimed and s.mailbox.words[W_LAYER] in s.layers
+        )
         return MemberMetrics(executed=executed, queue_depth=pending)
 
     def lane(self) -> None:
