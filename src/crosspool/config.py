@@ -69,6 +69,9 @@ class ModelConfig(_Strict):
     attention_device: Name | None = None
     ffn_agent: Name | None = None
     """Pin the model's FFN layers to this agent; default: placement spreads them over all agents."""
+    ffn_tp: int = Field(1, ge=1, le=8)
+    """FFN tensor parallelism: each layer split over this many FfnAgents (gate/up by rows of the
+    intermediate dimension, down by columns), partial sums added in shard order in fp32."""
     max_model_len: int = Field(2048, ge=16)
     max_num_seqs: int = Field(16, ge=1)
     kv_cache_gib: int = Field(1, ge=1)

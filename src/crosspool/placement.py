@@ -1,7 +1,9 @@
-"""FFN layer placement: which FfnAgent computes each layer of each model, under memory budgets.
+"""FFN layer placement: the execution group (FfnAgents) of each layer of each model, under
+memory budgets.
 
 A small mixed-integer program, solved with HiGHS (scipy.optimize.milp): every layer on exactly
-one eligible agent (the model's pinned agent, or any), each agent's weight bytes within its
+`group` distinct eligible agents (the model's pinned agent, or any; group > 1 is FFN tensor
+parallelism, each agent holding 1/group of the layer), each agent's weight bytes within its
 budget, minimising the largest budget fraction used (so weights and FFN work spread evenly).
 HiGHS is deterministic for a given input; afterwards equal-sized layers of a model are reordered
 so each agent holds contiguous layer ranges, which makes the placement readable and stable.
@@ -23,6 +25,7 @@ class ModelLayers:
     id: str
     layer_bytes: list[int]
     agents: list[str]  # the agents allowed to hold this model's layers
+    group: int = 1  # agents per layer (FFN tensor parallelism)
 
 
 class PlacementError(ValueError):
@@ -48,8 +51,9 @@ def _shortfall(models: list[ModelLayers], budgets: dict[str, int]) -> str | None
     return None
 
 
-def place_layers(models: list[ModelLayers], budgets: dict[str, int]) -> dict[str, list[str]]:
-    """model id -> the agent of each layer. Raises PlacementError saying by how much it does not fit."""
+def place_layers(models: list[ModelLayers], budgets: dict[str, int]) -> dict[str, list[list[str]]]:
+    """model id -> the execution group of each layer, in agent order. Raises PlacementError
+    saying by how much it does not fit."""
     reason = _shortfall(models, budgets)
     if reason is not None:
         raise PlacementError(reason)
@@ -62,11 +66,12 @@ def place_layers(models: list[ModelLayers], budgets: dict[str, int]) -> dict[str
     for col, (mi, li, a) in enumerate(pairs):
         a_rows[item_row[(mi, li)], col] = 1
         # load(a) - z * budget(a) <= 0, scaled to GiB to keep the coefficients well conditioned
-        a_rows[len(items) + agents.index(a), col] = models[mi].layer_bytes[li] / 2**30
+        a_rows[len(items) + agents.index(a), col] = -(-models[mi].layer_bytes[li] // models[mi].group) / 2**30
     for ai, a in enumerate(agents):
         a_rows[len(items) + ai, n - 1] = -budgets[a] / 2**30
-    lower = np.concatenate([np.ones(len(items)), np.full(len(agents), -np.inf)])
-    upper = np.concatenate([np.ones(len(items)), np.zeros(len(agents))])
+    groups = np.array([models[mi].group for mi, _ in items], dtype=float)
+    lower = np.concatenate([groups, np.full(len(agents), -np.inf)])
+    upper = np.concatenate([groups, np.zeros(len(agents))])
     cost = np.zeros(n)
     cost[-1] = 1.0
     integrality = np.ones(n)
@@ -86,16 +91,19 @@ def place_layers(models: list[ModelLayers], budgets: dict[str, int]) -> dict[str
             f"FFN layers do not pack into the ffn_agent budgets ({result.message.strip()}); the largest "
             f"layer needs {_gib(largest)}, free budgets: { ({a: _gib(b) for a, b in budgets.items()}) }"
         )
-    chosen: dict[tuple[int, int], str] = {}
+    chosen: dict[tuple[int, int], list[str]] = {item: [] for item in items}
     for col, (mi, li, a) in enumerate(pairs):
         if result.x[col] > 0.5:
-            chosen[(mi, li)] = a
+            chosen[(mi, li)].append(a)
+    order = {a: i for i, a in enumerate(agents)}
     placement = {}
     for mi, m in enumerate(models):
-        layer_agent = [chosen[(mi, li)] for li in range(len(m.layer_bytes))]
+        layer_group = [sorted(chosen[(mi, li)], key=order.__getitem__) for li in range(len(m.layer_bytes))]
+        assert all(len(g) == m.group for g in layer_group)
         for size in sorted(set(m.layer_bytes)):
             same = [li for li, b in enumerate(m.layer_bytes) if b == size]
-            for li, a in zip(same, sorted((layer_agent[li] for li in same), key=agents.index), strict=True):
-                layer_agent[li] = a
-        placement[m.id] = layer_agent
+            ranked = sorted((layer_group[li] for li in same), key=lambda g: [order[a] for a in g])
+            for li, group in zip(same, ranked, strict=True):
+                layer_group[li] = group
+        placement[m.id] = layer_group
     return placement

@@ -49,6 +49,8 @@ class MailboxPlan(_Frozen):
     max_rows: int
     hidden: int
     dtype: str
+    shards: int
+    """Output planes: the largest execution group of the model's layers (FFN tensor parallelism)."""
 
 
 class FfnAgentPlan(_Frozen):
@@ -106,12 +108,22 @@ def resolve_specs(deployment: Deployment, source: str) -> dict[str, ModelFfnSpec
     return specs
 
 
-def place(deployment: Deployment, specs: dict[str, ModelFfnSpec], source: str) -> dict[str, list[str]]:
-    """Each model's per-layer FfnAgent, within every agent's memory budget (see placement.py)."""
-    wanted = [
-        ModelLayers(m.id, [layer.weight_bytes(m.dtype) for layer in specs[m.id].layers], deployment.ffn_agents_of(m))
-        for m in deployment.model
-    ]
+def place(deployment: Deployment, specs: dict[str, ModelFfnSpec], source: str) -> dict[str, list[list[str]]]:
+    """Each model's per-layer execution group, within every agent's memory budget (placement.py)."""
+    wanted = []
+    problems = []
+    for i, m in enumerate(deployment.model):
+        allowed = deployment.ffn_agents_of(m)
+        smallest = min(layer.intermediate for layer in specs[m.id].layers)
+        if m.ffn_tp > len(allowed):
+            problems.append(f"model[{i}].ffn_tp: {m.ffn_tp} shards need as many FfnAgents, {len(allowed)} allowed")
+        elif m.ffn_tp > smallest:
+            problems.append(f"model[{i}].ffn_tp: more shards than intermediate rows ({smallest}) (got {m.ffn_tp})")
+        wanted.append(
+            ModelLayers(m.id, [layer.weight_bytes(m.dtype) for layer in specs[m.id].layers], allowed, m.ffn_tp)
+        )
+    if problems:
+        raise ConfigError(source, problems)
     budgets = {a.id: int(a.memory_gib * 2**30) for a in deployment.ffn_agent}
     try:
         return place_layers(wanted, budgets)
@@ -122,7 +134,7 @@ def place(deployment: Deployment, specs: dict[str, ModelFfnSpec], source: str) -
 def build_plan(
     deployment: Deployment,
     specs: dict[str, ModelFfnSpec],
-    placement: dict[str, list[str]],
+    placement: dict[str, list[list[str]]],
     *,
     generation: int = 1,
 ) -> Plan:
@@ -143,7 +155,7 @@ def build_plan(
                 hidden=spec.hidden,
                 num_layers=len(spec.layers),
                 atn_agent=atn,
-                layer_agents=[[agent] for agent in placement[m.id]],
+                layer_agents=placement[m.id],
                 url=f"http://{deployment.host}:{bind_port(deployment.host)}",
                 activation_math=launcher(m.engine).activation_math(m),
             )
@@ -158,6 +170,7 @@ def build_plan(
                 max_rows=deployment.limits.max_batched_tokens,
                 hidden=spec.hidden,
                 dtype=m.dtype,
+                shards=m.ffn_tp,
             )
         )
     agents = []
@@ -197,7 +210,7 @@ class Resolved:
 
     deployment: Deployment
     specs: dict[str, ModelFfnSpec]
-    placement: dict[str, list[str]]
+    placement: dict[str, list[list[str]]]
 
     def plan(self, generation: int = 1) -> Plan:
         return build_plan(self.deployment, self.specs, self.placement, generation=generation)

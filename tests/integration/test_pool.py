@@ -146,3 +146,36 @@ engine = "vllm"
             out = torch.empty_like(x)
             rank.call(layer, x, out)
             assert torch.equal(out, reference[layer](x))
+
+
+def test_ffn_tensor_parallel_2_and_3(tiny_models, no_leftovers):
+    """q2 split over 2 agents, q3 over 3 (256 intermediate rows: 86/85/85). The result is the
+    shards' outputs added in shard order in fp32, cast once: bit-equal to that sum in process
+    and close to the unsplit FFN."""
+    path = tiny_models["qwen3"]
+    d = parse_deployment(
+        "".join(f'[[ffn_agent]]\nid = "ffn{i}"\n' for i in range(3))
+        + "".join(f'[[model]]\nid = "q{k}"\npath = "{path}"\nengine = "vllm"\nffn_tp = {k}\n' for k in (2, 3))
+    )
+    spec, linear = load_ffn_spec(path), kernels("vllm").linear
+    whole = load_dense_layers(spec, "bfloat16", "fp32", linear)
+    with running_pool(resolve(d)) as gen:
+        for k in (2, 3):
+            assert all(len(group) == k for group in gen.plan.model(f"q{k}").layer_agents)
+            rank = RankTransport.attach(gen.plan, f"q{k}", 0)
+            shards = [
+                load_dense_layers(spec, "bfloat16", "fp32", linear, None, dict.fromkeys((0, 1), (i, k)))
+                for i in range(k)
+            ]
+            torch.manual_seed(k)
+            for rows in (1, 33, 256):
+                x = torch.randn(rows, 128, dtype=torch.bfloat16)
+                for layer in (0, 1):
+                    out = torch.empty_like(x)
+                    rank.call(layer, x, out)
+                    expected = shards[0][layer](x).float()
+                    for shard in shards[1:]:
+                        expected += shard[layer](x)
+                    assert torch.equal(out, expected.to(torch.bfloat16))
+                    ref = whole[layer](x).float()
+                    assert ((out.float() - ref).norm() / ref.norm()).item() < 0.01

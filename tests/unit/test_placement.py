@@ -8,20 +8,20 @@ MIB = 2**20
 def test_layers_spread_evenly_in_contiguous_ranges():
     models = [ModelLayers("a", [10 * MIB] * 30, ["f0", "f1", "f2"])]
     placed = place_layers(models, {"f0": 200 * MIB, "f1": 200 * MIB, "f2": 200 * MIB})
-    assert placed == {"a": ["f0"] * 10 + ["f1"] * 10 + ["f2"] * 10}
+    assert placed == {"a": [["f0"]] * 10 + [["f1"]] * 10 + [["f2"]] * 10}
 
 
 def test_pinned_model_stays_and_others_fill_around_it():
     models = [ModelLayers("big", [10 * MIB] * 8, ["f0"]), ModelLayers("small", [10 * MIB] * 4, ["f0", "f1"])]
     placed = place_layers(models, {"f0": 100 * MIB, "f1": 100 * MIB})
-    assert placed["big"] == ["f0"] * 8
-    assert placed["small"] == ["f1"] * 4
+    assert placed["big"] == [["f0"]] * 8
+    assert placed["small"] == [["f1"]] * 4
 
 
 def test_budgets_follow_memory():
     models = [ModelLayers("a", [MIB] * 12, ["f0", "f1"])]
     placed = place_layers(models, {"f0": 3 * MIB, "f1": 9 * MIB})
-    assert placed["a"].count("f0") == 3 and placed["a"].count("f1") == 9
+    assert placed["a"].count(["f0"]) == 3 and placed["a"].count(["f1"]) == 9
 
 
 def test_deterministic():
@@ -43,3 +43,19 @@ def test_refusal_when_layers_do_not_pack():
     models = [ModelLayers("a", [2**30] * 3, ["f0", "f1"])]
     with pytest.raises(PlacementError, match="do not pack"):
         place_layers(models, {"f0": int(1.6 * 2**30), "f1": int(1.6 * 2**30)})
+
+
+def test_tensor_parallel_groups():
+    models = [ModelLayers("a", [12 * MIB] * 6, ["f0", "f1", "f2"], group=2), ModelLayers("b", [3 * MIB] * 2, ["f2"])]
+    placed = place_layers(models, {"f0": 40 * MIB, "f1": 40 * MIB, "f2": 40 * MIB})
+    assert all(len(g) == 2 and g == sorted(g) for g in placed["a"])
+    load = {a: sum(6 * MIB for g in placed["a"] for x in g if x == a) for a in ("f0", "f1", "f2")}
+    load["f2"] += 6 * MIB
+    assert max(load.values()) <= 30 * MIB  # 42 MiB over three agents: the best split is 30/24/... or better
+
+
+def test_shard_ranges_cover_uneven_sizes():
+    from crosspool.agents.ffn.weights import shard_range
+
+    assert [shard_range(1000, i, 3) for i in range(3)] == [(0, 334), (334, 667), (667, 1000)]
+    assert [shard_range(256, i, 2) for i in range(2)] == [(0, 128), (128, 256)]

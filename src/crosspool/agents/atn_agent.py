@@ -17,7 +17,7 @@ class AtnAgent:
     def __init__(self, proc: AgentProcess) -> None:
         self.proc = proc
         owned = [mb for mb in proc.plan.mailboxes if mb.atn_agent == proc.id]
-        self.mailboxes = [Mailbox.create(mb.name, mb.max_rows, mb.hidden, mb.dtype) for mb in owned]
+        self.mailboxes = [Mailbox.create(mb.name, mb.max_rows, mb.hidden, mb.dtype, mb.shards) for mb in owned]
 
     def run(self) -> None:
         self.proc.ready()

@@ -44,6 +44,7 @@ class Served:
     plan: MailboxPlan
     mailbox: Mailbox
     layers: dict[int, GatedDenseFfn]
+    shard_of: dict[int, int]  # layer -> this agent's shard index in the layer's execution group
     claimed: int  # the last request sequence this agent claimed or saw pass
     executed: int = 0
 
@@ -68,10 +69,14 @@ class FfnAgent:
         torch.set_num_threads(me.threads)
         start = time.monotonic()
         layers: dict[str, dict[int, GatedDenseFfn]] = {}
+        shard_of: dict[str, dict[int, int]] = {}
         for model in plan.models:
             if mine := model.layers_on(proc.id):
                 spec, linear = load_ffn_spec(model.path), kernels(model.engine).linear
-                layers[model.id] = load_dense_layers(spec, model.dtype, model.activation_math, linear, mine)
+                groups = {layer: model.layer_agents[layer] for layer in mine}
+                shards = {layer: (group.index(proc.id), len(group)) for layer, group in groups.items()}
+                shard_of[model.id] = {layer: index for layer, (index, _) in shards.items()}
+                layers[model.id] = load_dense_layers(spec, model.dtype, model.activation_math, linear, mine, shards)
         proc.log(
             f"loaded FFN weights of {sorted(layers)} ({me.weight_bytes / 2**20:.1f} MiB) "
             f"in {time.monotonic() - start:.1f} s"
@@ -80,7 +85,8 @@ class FfnAgent:
         for mplan in plan.mailboxes:
             if mplan.model in layers:
                 mailbox = Mailbox.open(mplan.name)
-                self.served.append(Served(mplan, mailbox, layers[mplan.model], mailbox.words[W_REQ_SEQ]))
+                served = Served(mplan, mailbox, layers[mplan.model], shard_of[mplan.model], mailbox.words[W_REQ_SEQ])
+                self.served.append(served)
         self.lanes = me.lanes
         self.inbox = Inbox.create(plan.inbox_name(proc.id), proc.id)
         self._claim_lock = threading.Lock()
@@ -115,14 +121,16 @@ class FfnAgent:
         try:
             if not 0 < call.rows <= mb.max_rows:
                 raise ProtocolError(f"{call.rows} rows published; the mailbox holds {mb.max_rows}")
-            mb.output[: call.rows].copy_(call.served.layers[call.layer](mb.input[: call.rows]))
+            shard = call.served.shard_of[call.layer]
+            mb.outputs[shard][: call.rows].copy_(call.served.layers[call.layer](mb.input[: call.rows]))
         except Exception as e:
-            model = call.served.plan.model
-            mb.reply(call.seq, STATUS_ERROR, f"FfnAgent {self.proc.id!r} failed layer {call.layer} of {model}: {e}")
+            model, shard = call.served.plan.model, call.served.shard_of.get(call.layer, 0)
+            error = f"FfnAgent {self.proc.id!r} failed layer {call.layer} of {model}: {e}"
+            mb.reply(call.seq, STATUS_ERROR, error, shard)
             if isinstance(e, ProtocolError):
                 raise
         else:
-            mb.reply(call.seq, STATUS_OK)
+            mb.reply(call.seq, STATUS_OK, shard=shard)
             call.served.executed += 1
 
     def metrics(self) -> MemberMetrics:

@@ -3,10 +3,12 @@ the FFN pool.
 
 The AtnAgent of the rank's attention device creates and owns the mailbox. A call: the rank
 writes its live rows into `input`, the layer, the row count and its submit time, publishes
-`req_seq`, then rings the doorbell of every FfnAgent that holds the layer (Fabric). The FfnAgent
-that executes it writes `output` and a status and publishes `resp_seq == req_seq`; the rank
-copies `output` into the caller-owned tensor. One call is in flight per mailbox (a rank's layer
-calls are serial), so the planes are reused without a ring.
+`req_seq`, then rings the doorbell of every FfnAgent of the layer's execution group (Fabric).
+Agent i of the group writes output plane i and a status and publishes its own
+`resp_seq[i] == req_seq`. With one agent the rank copies plane 0 into the caller-owned tensor;
+with k (FFN tensor parallelism) it adds the k partial sums in shard order in fp32 and casts once,
+so the result does not depend on which agent finished first. One call is in flight per mailbox
+(a rank's layer calls are serial), so the planes are reused without a ring.
 
 The control plane fences a mailbox to stop admitting FFN work: a fenced rank fails its call at
 once with the fence reason, including a call already waiting.
@@ -30,11 +32,13 @@ _DTYPE_CODES = {name: code for code, name in enumerate(DTYPES)}
 SEQ_MASK = 0xFFFFFFFF
 
 # u32 word indices; words written by different processes sit on different 64-byte lines.
-W_MAGIC, W_MAX_ROWS, W_HIDDEN, W_DTYPE, W_OWNER_PID = 0, 1, 2, 3, 4  # creator, then read-only
+W_MAGIC, W_MAX_ROWS, W_HIDDEN, W_DTYPE, W_OWNER_PID, W_SHARDS = 0, 1, 2, 3, 4, 5  # creator, then read-only
 W_REQ_SEQ, W_LAYER, W_ROWS, W_SUBMIT_LO, W_SUBMIT_HI, W_RANK_PID = 16, 17, 18, 19, 20, 21  # the rank
 W_FENCE, W_FENCE_LEN = 32, 33  # the control plane
-W_RESP_SEQ, W_STATUS, W_ERR_LEN = 48, 49, 50  # the FFN side
-FENCE_OFFSET, ERR_OFFSET, TEXT_CAPACITY = 256, 1280, 1024
+MAX_SHARDS = 8
+W_RESP_SEQ, W_STATUS, W_ERR_LEN = 48, 49, 50  # the FFN side: shard i's words are 16 * i further
+FENCE_OFFSET, FENCE_CAPACITY = 1024, 1024
+ERR_OFFSET, ERR_CAPACITY = 2048, 256  # shard i's error text at ERR_OFFSET + i * ERR_CAPACITY
 DATA_OFFSET = 4096
 
 STATUS_OK, STATUS_ERROR = 0, 1
@@ -42,8 +46,12 @@ PROBE_LAYER = 0xFFFFFFFF
 """A layer index no model has: the FfnAgent answers without computing (Transport+Fabric latency)."""
 
 
-def mailbox_size(max_rows: int, hidden: int, dtype: str) -> int:
-    return DATA_OFFSET + 2 * max_rows * hidden * DTYPES[dtype].itemsize
+def mailbox_size(max_rows: int, hidden: int, dtype: str, shards: int = 1) -> int:
+    return DATA_OFFSET + (1 + shards) * max_rows * hidden * DTYPES[dtype].itemsize
+
+
+def resp_word(shard: int) -> int:
+    return W_RESP_SEQ + 16 * shard
 
 
 class Mailbox:
@@ -53,18 +61,19 @@ class Mailbox:
             raise RuntimeError(f"mailbox {seg.name!r} is not initialised (bad magic)")
         self.seg = seg
         self.words = words
-        self.max_rows, self.hidden = words[W_MAX_ROWS], words[W_HIDDEN]
+        self.max_rows, self.hidden, self.shards = words[W_MAX_ROWS], words[W_HIDDEN], words[W_SHARDS]
         self.dtype = list(DTYPES.values())[words[W_DTYPE]]
         plane = self.max_rows * self.hidden * self.dtype.itemsize
-        self.input = seg.tensor(DATA_OFFSET, (self.max_rows, self.hidden), self.dtype)
-        self.output = seg.tensor(DATA_OFFSET + plane, (self.max_rows, self.hidden), self.dtype)
-        self.resp_addr = seg.word_addr(W_RESP_SEQ)
+        shape = (self.max_rows, self.hidden)
+        self.input = seg.tensor(DATA_OFFSET, shape, self.dtype)
+        self.outputs = [seg.tensor(DATA_OFFSET + (1 + i) * plane, shape, self.dtype) for i in range(self.shards)]
 
     @classmethod
-    def create(cls, name: str, max_rows: int, hidden: int, dtype: str) -> Mailbox:
-        seg = Segment(name, mailbox_size(max_rows, hidden, dtype), create=True)
+    def create(cls, name: str, max_rows: int, hidden: int, dtype: str, shards: int = 1) -> Mailbox:
+        assert 1 <= shards <= MAX_SHARDS, shards
+        seg = Segment(name, mailbox_size(max_rows, hidden, dtype, shards), create=True)
         w = seg.words
-        w[W_MAX_ROWS], w[W_HIDDEN], w[W_DTYPE] = max_rows, hidden, _DTYPE_CODES[dtype]
+        w[W_MAX_ROWS], w[W_HIDDEN], w[W_DTYPE], w[W_SHARDS] = max_rows, hidden, _DTYPE_CODES[dtype], shards
         w[W_OWNER_PID] = os.getpid()
         w[W_MAGIC] = MAGIC
         return cls(seg)
@@ -83,8 +92,8 @@ class Mailbox:
     def submit_ns(self) -> int:
         return self.words[W_SUBMIT_LO] | self.words[W_SUBMIT_HI] << 32
 
-    def _write_text(self, offset: int, text: str) -> int:
-        data = text.encode()[:TEXT_CAPACITY]
+    def _write_text(self, offset: int, text: str, capacity: int) -> int:
+        data = text.encode()[:capacity]
         self.seg.mm[offset : offset + len(data)] = data
         return len(data)
 
@@ -92,25 +101,26 @@ class Mailbox:
         n = self.words[length_word]
         return bytes(self.seg.mm[offset : offset + n]).decode(errors="replace")
 
-    def reply(self, seq: int, status: int, error: str = "") -> None:
-        """Publish the answer to call `seq` (output already written when status is OK)."""
-        w = self.words
+    def reply(self, seq: int, status: int, error: str = "", shard: int = 0) -> None:
+        """Publish shard `shard`'s answer to call `seq` (its output plane already written when OK)."""
+        w, base = self.words, 16 * shard
         if error:
-            w[W_ERR_LEN] = self._write_text(ERR_OFFSET, error)
-        w[W_STATUS] = status
-        w[W_RESP_SEQ] = seq
-        futex_wake(self.resp_addr)
+            w[W_ERR_LEN + base] = self._write_text(ERR_OFFSET + shard * ERR_CAPACITY, error, ERR_CAPACITY)
+        w[W_STATUS + base] = status
+        w[W_RESP_SEQ + base] = seq
+        futex_wake(self.seg.word_addr(W_RESP_SEQ + base))
 
-    def error_text(self) -> str:
-        return self._read_text(ERR_OFFSET, W_ERR_LEN)
+    def error_text(self, shard: int) -> str:
+        return self._read_text(ERR_OFFSET + shard * ERR_CAPACITY, W_ERR_LEN + 16 * shard)
 
     def fence(self, reason: str) -> None:
         """Admit no more FFN work through this mailbox; a waiting rank fails with `reason`."""
         if self.words[W_FENCE]:
             return
-        self.words[W_FENCE_LEN] = self._write_text(FENCE_OFFSET, reason)
+        self.words[W_FENCE_LEN] = self._write_text(FENCE_OFFSET, reason, FENCE_CAPACITY)
         self.words[W_FENCE] = 1
-        futex_wake(self.resp_addr)
+        for shard in range(self.shards):
+            futex_wake(self.seg.word_addr(resp_word(shard)))
 
     def fence_reason(self) -> str | None:
         return self._read_text(FENCE_OFFSET, W_FENCE_LEN) if self.words[W_FENCE] else None
@@ -137,6 +147,7 @@ class RankTransport:
         self.mailbox = Mailbox.open(mailbox_name)
         w = self.mailbox.words
         self.layer_inboxes = layer_inboxes
+        assert max(len(group) for group in layer_inboxes) <= self.mailbox.shards, "mailbox has too few output planes"
         self.peers = {inbox.agent: inbox.peer() for group in layer_inboxes for inbox in group}
         self.bound_s = timeout_s
         self.seq = w[W_REQ_SEQ]
@@ -169,8 +180,15 @@ class RankTransport:
             return
         start = time.perf_counter()
         mb.input[:rows].copy_(hidden)
-        self._round_trip(layer, rows, self.layer_inboxes[layer])
-        out.copy_(mb.output[:rows])
+        group = self.layer_inboxes[layer]
+        self._round_trip(layer, rows, group)
+        if len(group) == 1:
+            out.copy_(mb.outputs[0][:rows])
+        else:
+            total = mb.outputs[0][:rows].float()
+            for plane in mb.outputs[1 : len(group)]:
+                total += plane[:rows]
+            out.copy_(total)
         self.latency.observe(time.perf_counter() - start)
 
     def metrics(self) -> MemberMetrics:
@@ -190,21 +208,24 @@ class RankTransport:
         w[W_REQ_SEQ] = seq
         for inbox in group:
             inbox.ring()
-        value = w[W_RESP_SEQ]
-        if value != seq:
-            deadline = time.monotonic() + self.bound_s
-            while value != seq:
-                try:
-                    value = wait_word_change(
-                        self.mailbox.seg, W_RESP_SEQ, value, deadline=deadline, check=lambda: self._check(group)
-                    )
-                except TimeoutError:
-                    agents = ", ".join(repr(inbox.agent) for inbox in group)
-                    raise RuntimeError(
-                        f"FFN pool failed: FfnAgent {agents} did not answer within {self.bound_s:g} s "
-                        f"during layer {layer} of {self.model} ({rows} rows)"
-                    ) from None
-                except PeerDied as e:
-                    raise RuntimeError(f"{e} during layer {layer} of {self.model}") from None
-        if w[W_STATUS] != STATUS_OK:
-            raise RuntimeError(self.mailbox.error_text())
+        deadline = time.monotonic() + self.bound_s
+        for shard in range(len(group)):
+            self._wait_reply(shard, seq, layer, rows, group, deadline)
+
+    def _wait_reply(self, shard: int, seq: int, layer: int, rows: int, group: list[Inbox], deadline: float) -> None:
+        w, word = self.mailbox.words, resp_word(shard)
+        value = w[word]
+        while value != seq:
+            try:
+                value = wait_word_change(
+                    self.mailbox.seg, word, value, deadline=deadline, check=lambda: self._check(group)
+                )
+            except TimeoutError:
+                raise RuntimeError(
+                    f"FFN pool failed: FfnAgent {group[shard].agent!r} did not answer within {self.bound_s:g} s "
+                    f"during layer {layer} of {self.model} ({rows} rows)"
+                ) from None
+            except PeerDied as e:
+                raise RuntimeError(f"{e} during layer {layer} of {self.model}") from None
+        if w[W_STATUS + 16 * shard] != STATUS_OK:
+            raise RuntimeError(self.mailbox.error_text(shard))
