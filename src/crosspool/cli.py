@@ -177,11 +177,18 @@ def parser() -> argparse.ArgumentParser:
 
     # Dispatched in main() before parsing, so every option reaches the benchmark's own parser.
     sub.add_parser("bench", help="native vLLM vs CrossPool overhead (`crosspool bench --help`)", add_help=False)
+    sub.add_parser(
+        "qualify", help="FFN numerics and structure against references (`crosspool qualify --help`)", add_help=False
+    )
     return p
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["qualify"]:
+        from crosspool.qualify import ffn
+
+        sys.exit(ffn.main(argv[1:]))
     if argv[:1] == ["bench"]:
         from crosspool.bench import overhead
 

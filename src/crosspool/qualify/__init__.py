@@ -1,0 +1,1 @@
+"""Qualification: numerics and structure of CrossPool against independent references."""
