@@ -45,21 +45,31 @@ def _member(state: ControlState, role: str, ident: str, **extra) -> dict:
     return {**body, **extra}
 
 
-def test_registration_refusals(control):
-    state, url = control
+def test_ready_lists_what_is_missing(control):
+    _, url = control
     r = httpx.get(url + "/ready")
     assert r.status_code == 503
     assert "FfnAgent 'ffn0'" in r.json()["waiting_for"] and "Instance 'q' rank 0" in r.json()["waiting_for"]
 
+
+def test_member_not_in_the_config_is_refused(control):
+    state, url = control
     r = httpx.post(url + "/v1/members", json=_member(state, "FfnAgent", "ffn9"))
     assert r.status_code == 409 and "FfnAgent 'ffn9' is not a member of this deployment" in r.json()["detail"]
+    assert state.registry.members == {}
 
+
+def test_config_digest_mismatch_is_refused(control):
+    state, url = control
     r = httpx.post(url + "/v1/members", json=_member(state, "FfnAgent", "ffn0", fingerprint="0" * 16))
     assert r.status_code == 409 and "not the same deployment" in r.json()["detail"], r.text
-
     r = httpx.post(url + "/v1/members", json=_member(state, "FfnAgent", "ffn0", generation=7))
     assert r.status_code == 409 and "belongs to generation 7" in r.json()["detail"]
+    assert state.registry.members == {}
 
+
+def test_second_registration_for_a_slot_is_refused(control):
+    state, url = control
     r = httpx.post(url + "/v1/members", json=_member(state, "FfnAgent", "ffn0"))
     assert r.status_code == 200 and r.json()["generation"] == 1
     r = httpx.post(url + "/v1/members", json=_member(state, "FfnAgent", "ffn0", pid=2))
