@@ -42,6 +42,11 @@ class Stopping(Exception):
     pass
 
 
+def _sse_error(message: str) -> bytes:
+    """An error event in an OpenAI stream whose HTTP status is already sent."""
+    return f"data: {json.dumps({'error': {'message': message, 'code': 503}})}\n\n".encode()
+
+
 def _error(status: int, message: str, kind: str) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
 
@@ -106,11 +111,12 @@ class Front:
                 return failure or "no member failure reported"
             await asyncio.sleep(0.05)
 
-    async def failed_response(self, upstream_error: str) -> JSONResponse:
+    async def failure_message(self, upstream_error: str) -> str:
         reason = await self.named_failure()
-        return _error(
-            503, f"CrossPool deployment failed: {reason} (engine said: {upstream_error[:200]})", "crosspool_failure"
-        )
+        return f"CrossPool deployment failed: {reason} (engine said: {upstream_error[:200]})"
+
+    async def failed_response(self, upstream_error: str) -> JSONResponse:
+        return _error(503, await self.failure_message(upstream_error), "crosspool_failure")
 
 
 def create_front(front: Front) -> FastAPI:
@@ -153,9 +159,7 @@ def create_front(front: Front) -> FastAPI:
         return response
 
     async def stream_error(upstream_error: str) -> bytes:
-        reason = await front.named_failure()
-        message = f"CrossPool deployment failed: {reason} (engine said: {upstream_error[:200]})"
-        return f"data: {json.dumps({'error': {'message': message, 'code': 503}})}\n\n".encode()
+        return _sse_error(await front.failure_message(upstream_error))
 
     async def _forward(body: bytes, url: str) -> Response:
         upstream = client.build_request("POST", url, content=body, headers={"content-type": "application/json"})
@@ -190,8 +194,7 @@ def create_front(front: Front) -> FastAPI:
             except httpx.HTTPError as e:
                 yield await stream_error(f"stream broke: {e}")
             except Stopping:
-                message = f"CrossPool deployment failed: {front.stop_reason()}"
-                yield f"data: {json.dumps({'error': {'message': message, 'code': 503}})}\n\n".encode()
+                yield _sse_error(f"CrossPool deployment failed: {front.stop_reason()}")
             finally:
                 front.inflight -= 1
                 await resp.aclose()
