@@ -175,8 +175,12 @@ def build_plan(
         )
     agents = []
     for agent in deployment.ffn_agent:
-        held = {m.id: [li for li, a in enumerate(placement[m.id]) if a == agent.id] for m in deployment.model}
-        weight_bytes = sum(specs[m.id].layers[li].weight_bytes(m.dtype) for m in deployment.model for li in held[m.id])
+        held = {m.id: [li for li, group in enumerate(placement[m.id]) if agent.id in group] for m in deployment.model}
+        weight_bytes = sum(
+            specs[m.id].layers[li].weight_bytes(m.dtype) // len(placement[m.id][li])
+            for m in deployment.model
+            for li in held[m.id]
+        )
         agents.append(
             FfnAgentPlan(
                 id=agent.id,

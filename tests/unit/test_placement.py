@@ -59,3 +59,17 @@ def test_shard_ranges_cover_uneven_sizes():
 
     assert [shard_range(1000, i, 3) for i in range(3)] == [(0, 334), (334, 667), (667, 1000)]
     assert [shard_range(256, i, 2) for i in range(2)] == [(0, 128), (128, 256)]
+
+
+def test_plan_accounts_each_agent_its_share_of_the_weights(tiny_models):
+    from crosspool.config import parse_deployment
+    from crosspool.plan import resolve
+
+    path = tiny_models["qwen3"]
+    agents = "".join(f'[[ffn_agent]]\nid = "f{i}"\nmemory_gib = 1\n' for i in range(3))
+    body = f'[[model]]\nid = "a"\npath = "{path}"\nengine = "vllm"\nffn_tp = 2\n'
+    resolved = resolve(parse_deployment(agents + body))
+    plan = resolved.plan()
+    total = resolved.specs["a"].weight_bytes("bfloat16")
+    assert sum(a.weight_bytes for a in plan.ffn_agents) == total
+    assert all(a.models == ["a"] for a in plan.ffn_agents if a.weight_bytes)

@@ -48,9 +48,17 @@ enforce_eager = {str(eager).lower()}
 ''')
 
 
-def _quantiles(samples: list[float]) -> dict[str, float]:
-    ordered = sorted(samples)
-    return {p: ordered[min(len(ordered) - 1, int(q * len(ordered)))] for p, q in (("p50", 0.5), ("p99", 0.99))}
+def timed_us(fn: Callable[[], object], calls: int, warmup: int = 100) -> dict[str, float]:
+    """p50 and p99 of `calls` timed calls of `fn` in microseconds, after `warmup` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(calls):
+        start = time.perf_counter_ns()
+        fn()
+        samples.append((time.perf_counter_ns() - start) / 1e3)
+    samples.sort()
+    return {p: samples[min(len(samples) - 1, int(q * len(samples)))] for p, q in (("p50", 0.5), ("p99", 0.99))}
 
 
 def round_trips(plan: Plan, calls: int) -> dict:
@@ -64,24 +72,14 @@ def round_trips(plan: Plan, calls: int) -> dict:
     x = torch.randn(1, model.hidden).to(getattr(torch, model.dtype))
     out = torch.empty_like(x)
 
-    def timed(fn: Callable[[], object]) -> dict[str, float]:
-        samples = []
-        for i in range(calls + 100):
-            start = time.perf_counter_ns()
-            fn()
-            if i >= 100:
-                samples.append((time.perf_counter_ns() - start) / 1e3)
-        samples.sort()
-        return {p: samples[min(len(samples) - 1, int(q * len(samples)))] for p, q in (("p50", 0.5), ("p99", 0.99))}
-
     threads = torch.get_num_threads()
     torch.set_num_threads(plan.ffn_agents[0].threads)
     try:
         return {
             "calls": calls,
-            "probe_round_trip_us": timed(rank.probe),
-            "layer_call_us": timed(lambda: rank.call(0, x, out)),
-            "in_process_ffn_us": timed(lambda: layer(x)),
+            "probe_round_trip_us": timed_us(rank.probe, calls),
+            "layer_call_us": timed_us(lambda: rank.call(0, x, out), calls),
+            "in_process_ffn_us": timed_us(lambda: layer(x), calls),
         }
     finally:
         torch.set_num_threads(threads)

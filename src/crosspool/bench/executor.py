@@ -1,0 +1,128 @@
+"""FFN executor throughput: one layer through a real FFN pool (FFN TP 1 and 2) vs the same MLP in
+plain torch in this process.
+
+    python -m crosspool.bench.executor [--model DIR] [--dtype bfloat16] [--threads 1] [--repeats 3]
+
+Each FfnAgent computes with `--threads` torch threads; the in-process baseline runs with the
+same total thread count as the pool row it is compared with (TP k: k x threads), on the same
+seeded input. Pool and baseline alternate within each repeat; the report gives median
+rows/s and the pool/plain ratio per (rows, TP).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from crosspool.agents.ffn.dense import Linear
+from crosspool.agents.ffn.weights import load_dense_layers
+from crosspool.bench.overhead import timed_us
+from crosspool.config import parse_deployment
+from crosspool.daemon.daemon import running_pool
+from crosspool.models.spec import load_ffn_spec
+from crosspool.plan import resolve
+from crosspool.transport.mailbox import DTYPES, RankTransport
+
+ROWS = (1, 16, 256, 2048)
+TP_DEGREES = (1, 2)
+CALLS = {1: 300, 16: 150, 256: 20, 2048: 4}
+
+
+def _deployment(model: Path, dtype: str, threads: int) -> str:
+    text = f"[limits]\nmax_batched_tokens = {max(ROWS)}\n"
+    text += "".join(f'[[ffn_agent]]\nid = "ffn{i}"\nthreads = {threads}\n' for i in range(max(TP_DEGREES)))
+    for k in TP_DEGREES:
+        text += f'[[model]]\nid = "tp{k}"\npath = "{model}"\nengine = "vllm"\ndtype = "{dtype}"\nffn_tp = {k}\n'
+    return text
+
+
+def plain_linear(weight: torch.Tensor) -> Linear:
+    return lambda x: F.linear(x, weight)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from crosspool.models.prepare import prepare_smollm2
+
+    p = argparse.ArgumentParser(
+        prog="python -m crosspool.bench.executor",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--model", type=Path, default=None, help="checkpoint dir (default: SmolLM2-135M)")
+    p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
+    p.add_argument("--layer", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per FfnAgent")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", type=Path, default=None, help="write the JSON result here too")
+    args = p.parse_args(argv)
+    model = args.model or prepare_smollm2()
+    spec = load_ffn_spec(model)
+    resolved = resolve(parse_deployment(_deployment(model, args.dtype, args.threads), "bench"), "bench")
+    # The in-process MLP: plain F.linear, and the activation as the pool computes it for this plan.
+    math = resolved.plan().models[0].activation_math
+    plain = load_dense_layers(spec, args.dtype, math, plain_linear, [args.layer])[args.layer]
+    samples: dict[tuple[int, int], dict[str, list[float]]] = {
+        (rows, k): {"pool": [], "plain": []} for rows in ROWS for k in TP_DEGREES
+    }
+    threads = torch.get_num_threads()
+    with running_pool(resolved) as gen:
+        ranks = {k: RankTransport.attach(gen.plan, f"tp{k}", 0) for k in TP_DEGREES}
+        for repeat in range(args.repeats):
+            print(f"repeat {repeat + 1}/{args.repeats} ...", file=sys.stderr, flush=True)
+            for rows in ROWS:
+                x = torch.randn(rows, spec.hidden, generator=torch.Generator().manual_seed(rows)).to(DTYPES[args.dtype])
+                out = torch.empty_like(x)
+                for k, rank in ranks.items():
+                    calls, case = CALLS[rows], samples[rows, k]
+                    case["pool"].append(
+                        timed_us(lambda: rank.call(args.layer, x, out), calls, warmup=2)["p50"]  # noqa: B023
+                    )
+                    torch.set_num_threads(k * args.threads)
+                    try:
+                        case["plain"].append(timed_us(lambda: plain(x), calls, warmup=2)["p50"])  # noqa: B023
+                    finally:
+                        torch.set_num_threads(threads)
+    cases = []
+    for (rows, k), case in samples.items():
+        pool_us, plain_us = statistics.median(case["pool"]), statistics.median(case["plain"])
+        cases.append(
+            {
+                "rows": rows,
+                "ffn_tp": k,
+                "threads_total": k * args.threads,
+                "pool_us": case["pool"],
+                "plain_us": case["plain"],
+                "pool_rows_per_s": rows / pool_us * 1e6,
+                "plain_rows_per_s": rows / plain_us * 1e6,
+                "ratio": plain_us / pool_us,
+            }
+        )
+    result = {
+        "model": str(model),
+        "layer": args.layer,
+        "dtype": args.dtype,
+        "threads_per_agent": args.threads,
+        "repeats": args.repeats,
+        "cases": cases,
+    }
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+    for c in cases:
+        print(
+            f"rows {c['rows']:>4} TP {c['ffn_tp']}: pool {c['pool_rows_per_s']:>9.0f} rows/s, "
+            f"plain torch ({c['threads_total']} threads) {c['plain_rows_per_s']:>9.0f} rows/s, ratio {c['ratio']:.2f}",
+            file=sys.stderr,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
