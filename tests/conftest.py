@@ -16,10 +16,10 @@ CACHE = Path(os.environ.get("CROSSPOOL_CACHE", Path.home() / ".cache" / "crosspo
 
 @pytest.fixture(scope="session")
 def tiny_models() -> dict[str, Path]:
-    from crosspool.models.prepare import make_tiny_checkpoint
+    from crosspool.models.prepare import TINY_FAMILIES, make_tiny_checkpoint
 
     root = CACHE / "tiny"
-    return {f: make_tiny_checkpoint(f, root / f"tiny-{f}", seed=0) for f in ("qwen3", "llama")}
+    return {f: make_tiny_checkpoint(f, root / f"tiny-{f}", seed=0) for f in TINY_FAMILIES}
 
 
 @pytest.fixture(scope="session")

@@ -127,7 +127,7 @@ def cmd_models_spec(args: argparse.Namespace) -> int:
                 "architecture": spec.architecture,
                 "hidden": spec.hidden,
                 "layers": len(spec.layers),
-                "kind": "gated_dense",
+                "kinds": [type(layer).__name__ for layer in spec.layers],
                 "activation": first.activation,
                 "intermediate": first.intermediate,
                 "layer0_keys": list(first.keys),

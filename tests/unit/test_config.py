@@ -80,7 +80,7 @@ def test_bad_inputs_fail_with_one_line(tmp_path, tiny_models, command, no_leftov
         "nopath.toml": (_toml(tmp_path / "missing"), "model path does not exist"),
         "arch.toml": (
             _toml(unsupported),
-            "architecture ['GPT2LMHeadModel'] is not supported; supported: LlamaForCausalLM",
+            "architecture ['GPT2LMHeadModel'] is not supported; supported: DeepseekV2ForCausalLM, LlamaForCausalLM",
         ),
         "option.toml": (
             _toml(tiny_models["qwen3"], model_extra="engine_args = { enable_lora = true }"),

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from crosspool.models.spec import ModelSpecError, load_ffn_spec
+from crosspool.models.spec import ModelSpecError, MoeFfn, MoeRouting, load_ffn_spec
 
 
 def test_tiny_qwen3_spec(tiny_models):
@@ -43,4 +43,43 @@ def test_unsupported_activation(tmp_path, tiny_models):
     (tmp_path / "config.json").write_text(json.dumps(config))
     (tmp_path / "model.safetensors").symlink_to(tiny_models["llama"] / "model.safetensors")
     with pytest.raises(ModelSpecError, match="hidden_act 'gelu' is not supported"):
+        load_ffn_spec(tmp_path)
+
+
+def test_qwen3_moe_spec(tiny_models):
+    spec = load_ffn_spec(tiny_models["qwen3_moe"])
+    assert [type(layer).__name__ for layer in spec.layers] == ["GatedDenseFfn", "MoeFfn", "GatedDenseFfn"]
+    moe = spec.layers[1]
+    assert isinstance(moe, MoeFfn)
+    assert (len(moe.experts), moe.intermediate, moe.shared, moe.bias_key) == (8, 64, None, None)
+    assert moe.routing == MoeRouting(top_k=2, scoring="softmax", renormalize=True, grouped=False, router_fp32=False)
+    assert moe.router_key == "model.layers.1.mlp.gate.weight"
+    assert moe.experts[7].down_key == "model.layers.1.mlp.experts.7.down_proj.weight"
+    assert moe.weight_bytes("bfloat16") == (8 * 128 + 8 * 3 * 128 * 64) * 2
+
+
+def test_deepseek_v2_spec(tiny_models):
+    spec = load_ffn_spec(tiny_models["deepseek_v2"])
+    assert [type(layer).__name__ for layer in spec.layers] == ["GatedDenseFfn", "MoeFfn", "MoeFfn"]
+    moe = spec.layers[2]
+    assert isinstance(moe, MoeFfn) and moe.shared is not None
+    assert moe.shared.keys[0] == "model.layers.2.mlp.shared_experts.gate_proj.weight"
+    assert moe.routing == MoeRouting(
+        top_k=2,
+        scoring="softmax",
+        renormalize=False,
+        grouped=True,
+        router_fp32=True,
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=1.5,
+    )
+
+
+def test_unsupported_topk_method(tmp_path, tiny_models):
+    config = json.loads((tiny_models["deepseek_v2"] / "config.json").read_text())
+    config["topk_method"] = "sinkhorn"
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "model.safetensors").symlink_to(tiny_models["deepseek_v2"] / "model.safetensors")
+    with pytest.raises(ModelSpecError, match="topk_method 'sinkhorn' is not supported"):
         load_ffn_spec(tmp_path)

@@ -15,8 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from crosspool.agents.ffn.dense import GatedDenseFfn
-from crosspool.agents.ffn.weights import load_dense_layers
+from crosspool.agents.ffn.weights import LayerExecutor, load_layers
 from crosspool.agents.process import AgentProcess
 from crosspool.fabric.inbox import Inbox
 from crosspool.integrations import kernels
@@ -43,7 +42,7 @@ class Served:
 
     plan: MailboxPlan
     mailbox: Mailbox
-    layers: dict[int, GatedDenseFfn]
+    layers: dict[int, LayerExecutor]
     shard_of: dict[int, int]  # layer -> this agent's shard index in the layer's execution group
     claimed: int  # the last request sequence this agent claimed or saw pass
     executed: int = 0
@@ -68,15 +67,17 @@ class FfnAgent:
         me = next(a for a in plan.ffn_agents if a.id == proc.id)
         torch.set_num_threads(me.threads)
         start = time.monotonic()
-        layers: dict[str, dict[int, GatedDenseFfn]] = {}
+        layers: dict[str, dict[int, LayerExecutor]] = {}
         shard_of: dict[str, dict[int, int]] = {}
         for model in plan.models:
             if mine := model.layers_on(proc.id):
-                spec, linear = load_ffn_spec(model.path), kernels(model.engine).linear
+                spec = load_ffn_spec(model.path)
                 groups = {layer: model.layer_agents[layer] for layer in mine}
                 shards = {layer: (group.index(proc.id), len(group)) for layer, group in groups.items()}
                 shard_of[model.id] = {layer: index for layer, (index, _) in shards.items()}
-                layers[model.id] = load_dense_layers(spec, model.dtype, model.activation_math, linear, mine, shards)
+                layers[model.id] = load_layers(
+                    spec, model.dtype, model.activation_math, kernels(model.engine), mine, shards
+                )
         proc.log(
             f"loaded FFN weights of {sorted(layers)} ({me.weight_bytes / 2**20:.1f} MiB) "
             f"in {time.monotonic() - start:.1f} s"

@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from crosspool.agents.ffn.dense import Linear
-from crosspool.agents.ffn.weights import load_dense_layers
+from crosspool.agents.ffn.moe import MoeKernel
+from crosspool.agents.ffn.weights import load_layers
 from crosspool.bench.overhead import timed_us
 from crosspool.config import parse_deployment
 from crosspool.daemon.daemon import running_pool
@@ -42,8 +43,14 @@ def _deployment(model: Path, dtype: str, threads: int) -> str:
     return text
 
 
-def plain_linear(weight: torch.Tensor) -> Linear:
-    return lambda x: F.linear(x, weight)
+class PlainTorch:
+    """The same MLP in plain torch: `F.linear` GEMMs (dense layers only)."""
+
+    def linear(self, weight: torch.Tensor, /) -> Linear:
+        return lambda x: F.linear(x, weight)
+
+    def moe(self, *args: object) -> MoeKernel:
+        raise NotImplementedError("the executor benchmark times dense layers")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     resolved = resolve(parse_deployment(_deployment(model, args.dtype, args.threads), "bench"), "bench")
     # The in-process MLP: plain F.linear, and the activation as the pool computes it for this plan.
     math = resolved.plan().models[0].activation_math
-    plain = load_dense_layers(spec, args.dtype, math, plain_linear, [args.layer])[args.layer]
+    plain = load_layers(spec, args.dtype, math, PlainTorch(), [args.layer])[args.layer]
     samples: dict[tuple[int, int], dict[str, list[float]]] = {
         (rows, k): {"pool": [], "plain": []} for rows in ROWS for k in TP_DEGREES
     }

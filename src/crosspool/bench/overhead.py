@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from crosspool.agents.ffn.weights import load_dense_layers
+from crosspool.agents.ffn.weights import load_layers
 from crosspool.config import parse_deployment
 from crosspool.daemon.daemon import running_pool
 from crosspool.integrations import kernels
@@ -67,8 +67,8 @@ def round_trips(plan: Plan, calls: int) -> dict:
     FfnAgent's thread count."""
     model = plan.models[0]
     rank = RankTransport.attach(plan, model.id, 0)
-    spec, linear = load_ffn_spec(model.path), kernels(model.engine).linear
-    layer = load_dense_layers(spec, model.dtype, model.activation_math, linear, [0])[0]
+    spec = load_ffn_spec(model.path)
+    layer = load_layers(spec, model.dtype, model.activation_math, kernels(model.engine), [0])[0]
     x = torch.randn(1, model.hidden).to(getattr(torch, model.dtype))
     out = torch.empty_like(x)
 

@@ -70,7 +70,8 @@ def prepare_smollm2(cache: Path = DEFAULT_CACHE) -> Path:
     return _finish(tmp, out)
 
 
-TINY_FAMILIES = ("llama", "qwen2", "qwen3")
+TINY_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v2")
+MOE_FAMILIES = ("qwen3_moe", "deepseek_v2")
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
@@ -102,6 +103,36 @@ def make_tiny_checkpoint(
         "llama": lambda: transformers.LlamaConfig(**common, architectures=["LlamaForCausalLM"]),
         "qwen2": lambda: transformers.Qwen2Config(**common, architectures=["Qwen2ForCausalLM"]),
         "qwen3": lambda: transformers.Qwen3Config(**common, head_dim=32, architectures=["Qwen3ForCausalLM"]),
+        # Dense, MoE, dense: a transition each way.
+        "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
+            **{**common, "num_hidden_layers": 3},
+            moe_intermediate_size=64,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            mlp_only_layers=[0, 2],
+            architectures=["Qwen3MoeForCausalLM"],
+        ),
+        # MLA with vLLM's CPU MLA head size (kv_lora_rank 512 + rope 64); grouped top-k, a shared
+        # expert and a routed scaling factor.
+        "deepseek_v2": lambda: transformers.DeepseekV2Config(
+            **{**common, "num_hidden_layers": 3, "num_key_value_heads": 4},
+            moe_intermediate_size=64,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            kv_lora_rank=512,
+            q_lora_rank=None,
+            qk_nope_head_dim=64,
+            qk_rope_head_dim=64,
+            v_head_dim=64,
+            topk_method="group_limited_greedy",
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=1.5,
+            architectures=["DeepseekV2ForCausalLM"],
+        ),
     }
     if family not in configs:
         raise ValueError(f"unknown family {family!r}; tiny checkpoints exist for {', '.join(TINY_FAMILIES)}")
@@ -110,7 +141,10 @@ def make_tiny_checkpoint(
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    _save_checkpoint(model, tmp, torch.bfloat16)
+    if family in MOE_FAMILIES:  # save_pretrained writes per-expert keys, the layout engines load
+        model.to(torch.bfloat16).save_pretrained(tmp)
+    else:
+        _save_checkpoint(model, tmp, torch.bfloat16)
     if tokenizer is not None:
         for name in TOKENIZER_FILES:
             if (tokenizer / name).exists():

@@ -1,4 +1,4 @@
-"""FFN spec of a checkpoint: per layer the FFN kind, activation, dims and checkpoint keys."""
+"""FFN spec of a checkpoint: per layer the FFN kind (gated dense or MoE), dims, routing and keys."""
 
 from __future__ import annotations
 
@@ -37,11 +37,58 @@ class GatedDenseFfn:
 
 
 @dataclass(frozen=True)
+class MoeRouting:
+    """How a token picks its experts; field names follow vLLM's router arguments."""
+
+    top_k: int
+    scoring: str  # "softmax" | "sigmoid"
+    renormalize: bool  # divide the top-k weights by their sum
+    grouped: bool  # DeepSeek's grouped top-k; otherwise top-k over the router logits
+    router_fp32: bool  # router GEMM in fp32 (the family's reference does it); else in the model dtype
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+
+
+@dataclass(frozen=True)
+class MoeFfn:
+    """out = routed_scaling_factor * sum_k w_k * expert_k(x) [+ shared(x)]; every expert (and the
+    shared expert) is a gated dense SiLU FFN. `intermediate` is one routed expert's."""
+
+    layer: int
+    hidden: int
+    intermediate: int
+    router_key: str
+    bias_key: str | None  # the routing correction bias (DeepSeek-V3's noaux_tc), fp32
+    experts: tuple[GatedDenseFfn, ...]
+    shared: GatedDenseFfn | None
+    routing: MoeRouting
+
+    @property
+    def activation(self) -> str:
+        return self.experts[0].activation
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        denses = [*self.experts, *([self.shared] if self.shared else [])]
+        extra = (self.router_key, *([self.bias_key] if self.bias_key else []))
+        return extra + tuple(key for d in denses for key in d.keys)
+
+    def weight_bytes(self, dtype: str) -> int:
+        router = len(self.experts) * self.hidden * DTYPE_BYTES[dtype]
+        shared = self.shared.weight_bytes(dtype) if self.shared else 0
+        return router + sum(e.weight_bytes(dtype) for e in self.experts) + shared
+
+
+LayerFfn = GatedDenseFfn | MoeFfn
+
+
+@dataclass(frozen=True)
 class ModelFfnSpec:
     path: Path
     architecture: str
     hidden: int
-    layers: tuple[GatedDenseFfn, ...]
+    layers: tuple[LayerFfn, ...]
     key_files: dict[str, str]  # checkpoint key -> safetensors file name
 
     @property
@@ -53,9 +100,9 @@ class ModelFfnSpec:
 
 
 def _families() -> list[ModuleType]:
-    from crosspool.models import llama, qwen2, qwen3
+    from crosspool.models import deepseek_v2, llama, qwen2, qwen3, qwen3_moe
 
-    return [llama, qwen2, qwen3]
+    return [llama, qwen2, qwen3, qwen3_moe, deepseek_v2]
 
 
 def supported_architectures() -> list[str]:
@@ -76,31 +123,77 @@ def checkpoint_keys(path: Path) -> dict[str, str]:
     return keys
 
 
-def gated_dense_layers(config: dict, key_prefix: str, keys: dict[str, str]) -> tuple[GatedDenseFfn, ...]:
-    """Layers of a family whose every decoder layer has a gated dense MLP at `key_prefix`
-    (a format string over the layer index, e.g. "model.layers.{}.mlp.")."""
+def _activation(config: dict) -> str:
     activation = config.get("hidden_act", "silu")
     if activation != "silu":
         raise ModelSpecError(f"hidden_act {activation!r} is not supported (supported: 'silu')")
     if config.get("mlp_bias", False):
         raise ModelSpecError("mlp_bias = true is not supported")
-    layers = []
-    for i in range(int(config["num_hidden_layers"])):
-        prefix = key_prefix.format(i)
-        layer = GatedDenseFfn(
-            layer=i,
-            hidden=int(config["hidden_size"]),
-            intermediate=int(config["intermediate_size"]),
-            activation=activation,
-            gate_key=prefix + "gate_proj.weight",
-            up_key=prefix + "up_proj.weight",
-            down_key=prefix + "down_proj.weight",
-        )
-        missing = [key for key in layer.keys if key not in keys]
-        if missing:
-            raise ModelSpecError(f"checkpoint lacks FFN tensors {missing}")
-        layers.append(layer)
-    return tuple(layers)
+    return str(activation)
+
+
+def _present(layer: LayerFfn, keys: dict[str, str]) -> LayerFfn:
+    missing = [key for key in layer.keys if key not in keys]
+    if missing:
+        raise ModelSpecError(f"checkpoint lacks FFN tensors {missing[:6]}" + (" ..." if len(missing) > 6 else ""))
+    return layer
+
+
+def gated_dense(config: dict, layer: int, prefix: str, intermediate: int) -> GatedDenseFfn:
+    """The gated dense SiLU FFN whose tensors are `{prefix}{gate,up,down}_proj.weight`."""
+    return GatedDenseFfn(
+        layer=layer,
+        hidden=int(config["hidden_size"]),
+        intermediate=intermediate,
+        activation=_activation(config),
+        gate_key=prefix + "gate_proj.weight",
+        up_key=prefix + "up_proj.weight",
+        down_key=prefix + "down_proj.weight",
+    )
+
+
+def dense_layer(config: dict, layer: int, prefix: str, keys: dict[str, str]) -> GatedDenseFfn:
+    dense = gated_dense(config, layer, prefix, int(config["intermediate_size"]))
+    _present(dense, keys)
+    return dense
+
+
+def moe_layer(
+    config: dict,
+    layer: int,
+    prefix: str,
+    keys: dict[str, str],
+    *,
+    experts: int,
+    routing: MoeRouting,
+    shared_intermediate: int = 0,
+    bias: bool = False,
+) -> MoeFfn:
+    """A MoE layer with HF's per-expert keys: `{prefix}gate.weight` (router),
+    `{prefix}experts.{e}.*_proj.weight` and `{prefix}shared_experts.*_proj.weight`."""
+    intermediate = int(config["moe_intermediate_size"])
+    if not 1 <= routing.top_k <= experts or experts % routing.n_group:
+        raise ModelSpecError(f"{experts} experts cannot route top-{routing.top_k} over {routing.n_group} groups")
+    moe = MoeFfn(
+        layer=layer,
+        hidden=int(config["hidden_size"]),
+        intermediate=intermediate,
+        router_key=prefix + "gate.weight",
+        bias_key=prefix + "gate.e_score_correction_bias" if bias else None,
+        experts=tuple(gated_dense(config, layer, f"{prefix}experts.{e}.", intermediate) for e in range(experts)),
+        shared=gated_dense(config, layer, prefix + "shared_experts.", shared_intermediate)
+        if shared_intermediate
+        else None,
+        routing=routing,
+    )
+    _present(moe, keys)
+    return moe
+
+
+def gated_dense_layers(config: dict, key_prefix: str, keys: dict[str, str]) -> tuple[GatedDenseFfn, ...]:
+    """Layers of a family whose every decoder layer has a gated dense MLP at `key_prefix`
+    (a format string over the layer index, e.g. "model.layers.{}.mlp.")."""
+    return tuple(dense_layer(config, i, key_prefix.format(i), keys) for i in range(int(config["num_hidden_layers"])))
 
 
 def load_ffn_spec(path: Path) -> ModelFfnSpec:

@@ -2,9 +2,12 @@
 
 Numerics: every case runs seeded bf16 hidden states (1, 32 and 4096 rows) through the pool's
 layer calls (real agents, real shared memory, FFN TP 1 and 2) and compares them with the model
-family's own HF transformers MLP module on the same weights, computed in fp32:
-normalised RMSE <= 0.01 and max scaled error <= 0.10 (scaled error = |err| / max(|ref|, rms(ref))),
-at the first layer and the last (dense families have no dense/MoE transitions).
+family's own HF transformers MLP / MoE module on the same weights, computed in fp32 (experts
+chosen as that module chooses them in bf16): normalised RMSE <= 0.01 and max scaled error <= 0.10
+(scaled error = |err| / max(|ref|, rms(ref))), at the first layer, both sides of every
+dense<->MoE transition and the last layer.
+Routing (MoE layers): the pool's router against the family's router on the same inputs: expert
+ids identical per token after sorting, weights within atol 1e-4 / rtol 1e-3.
 Structure: 1,000 consecutive layer calls of random sizes per FFN TP degree, zero errors.
 One JSON verdict per case on stdout; the exit code is non-zero if any case fails.
 """
@@ -12,6 +15,7 @@ One JSON verdict per case on stdout; the exit code is non-zero if any case fails
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import random
 import sys
@@ -19,39 +23,50 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
-from torch import nn
 
+from crosspool.agents.ffn.moe import RoutedMoeFfn
+from crosspool.agents.ffn.weights import load_layers
 from crosspool.config import parse_deployment
 from crosspool.daemon.daemon import running_pool
-from crosspool.models.spec import ModelFfnSpec, load_ffn_spec
+from crosspool.integrations import kernels
+from crosspool.models.spec import ModelFfnSpec, MoeFfn, load_ffn_spec
 from crosspool.plan import resolve
 from crosspool.transport.mailbox import RankTransport
 
 ROWS = (1, 32, 4096)
 TP_DEGREES = (1, 2)
 MAX_NRMSE, MAX_SCALED = 0.01, 0.10
+ROUTE_ATOL, ROUTE_RTOL = 1e-4, 1e-3
 STRUCTURAL_CALLS = 1000
 
 
-def hf_mlp(spec: ModelFfnSpec, layer: int) -> nn.Module:
-    """The family's own transformers MLP with this layer's checkpoint weights, in fp32."""
-    import transformers
-    from transformers.models.llama.modeling_llama import LlamaMLP
-    from transformers.models.qwen2.modeling_qwen2 import Qwen2MLP
-    from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP
+class Reference:
+    """The model family's own transformers modules on the checkpoint's weights. Experts are
+    chosen as the family's module chooses them in the model dtype (its router's own precision),
+    then every FFN (dense, routed experts, shared experts) is computed in fp32."""
 
-    families: dict[str, type[nn.Module]] = {
-        "LlamaForCausalLM": LlamaMLP,
-        "Qwen2ForCausalLM": Qwen2MLP,
-        "Qwen3ForCausalLM": Qwen3MLP,
-    }
-    mlp = families[spec.architecture](transformers.AutoConfig.from_pretrained(spec.path)).float()
-    ffn = spec.layers[layer]
-    for name, key in (("gate_proj", ffn.gate_key), ("up_proj", ffn.up_key), ("down_proj", ffn.down_key)):
-        with safe_open(spec.path / spec.key_files[key], framework="pt") as f:
-            getattr(mlp, name).weight.data.copy_(f.get_tensor(key).float())
-    return mlp.eval()
+    def __init__(self, spec: ModelFfnSpec) -> None:
+        import transformers
+
+        moe = any(isinstance(layer, MoeFfn) for layer in spec.layers)
+        extra = {"experts_implementation": "eager"} if moe else {}
+        model = transformers.AutoModelForCausalLM.from_pretrained(spec.path, dtype=torch.bfloat16, **extra)
+        self.layers = model.model.layers
+
+    def routing(self, layer: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per token the chosen experts (int64) and their weights (fp32, routed scaling included)."""
+        with torch.no_grad():
+            _, weights, ids = self.layers[layer].mlp.gate(x)
+        return weights.float(), ids
+
+    def output(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        mlp32 = copy.deepcopy(self.layers[layer].mlp).float()
+        with torch.no_grad():
+            if not hasattr(mlp32, "experts"):
+                return mlp32(x.float())
+            weights, ids = self.routing(layer, x)
+            out = mlp32.experts(x.float(), ids, weights)
+            return out + mlp32.shared_experts(x.float()) if hasattr(mlp32, "shared_experts") else out
 
 
 def errors(out: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
@@ -72,24 +87,61 @@ def _deployment(models: dict[str, Path]) -> str:
     return text
 
 
+def checked_layers(spec: ModelFfnSpec) -> list[int]:
+    """The first layer, both sides of every dense<->MoE transition, the last layer."""
+    kinds = [type(layer) for layer in spec.layers]
+    transitions = {i + d for i in range(1, len(kinds)) if kinds[i] != kinds[i - 1] for d in (-1, 0)}
+    return sorted({0, len(kinds) - 1} | transitions)
+
+
+def _input(spec: ModelFfnSpec, layer: int, rows: int) -> torch.Tensor:
+    return torch.randn(rows, spec.hidden, generator=torch.Generator().manual_seed(rows * 1000 + layer)).to(
+        torch.bfloat16
+    )
+
+
+def routing_verdicts(name: str, spec: ModelFfnSpec, engine: str, reference: Reference) -> list[dict[str, Any]]:
+    """The pool's router (the engine integration's MoE kernel, run here on the same inputs) against
+    the family's: expert ids identical per token after sorting, weights within tolerance."""
+    verdicts = []
+    moe_layers = [layer for layer in spec.layers if isinstance(layer, MoeFfn)]
+    executors = load_layers(spec, "bfloat16", "dtype", kernels(engine), [m.layer for m in moe_layers])
+    for moe in moe_layers:
+        executor = executors[moe.layer]
+        assert isinstance(executor, RoutedMoeFfn)
+        for rows in ROWS:
+            x = _input(spec, moe.layer, rows)
+            weights, ids = executor.kernel.route(x)
+            ref_weights, ref_ids = reference.routing(moe.layer, x)
+            ours, theirs = ids.long().sort(dim=-1), ref_ids.sort(dim=-1)
+            same = (ours.values == theirs.values).all(dim=-1)
+            w = (weights * moe.routing.routed_scaling_factor).gather(1, ours.indices)
+            close = torch.isclose(w, ref_weights.gather(1, theirs.indices), atol=ROUTE_ATOL, rtol=ROUTE_RTOL)
+            verdicts.append(
+                {
+                    "case": f"moe-routing/{name}/layer{moe.layer}/rows{rows}",
+                    "pass": bool(same.all() and close.all()),
+                    "tokens_with_other_experts": int((~same).sum()),
+                    "weights_out_of_tolerance": int((~close).sum()),
+                }
+            )
+    return verdicts
+
+
 def qualify(models: dict[str, Path]) -> list[dict[str, Any]]:
     verdicts: list[dict[str, Any]] = []
     specs = {name: load_ffn_spec(path) for name, path in models.items()}
     with running_pool(resolve(parse_deployment(_deployment(models), "qualify"), "qualify")) as gen:
         for name, spec in specs.items():
-            last = len(spec.layers) - 1
-            references = {layer: hf_mlp(spec, layer) for layer in sorted({0, last})}
+            reference = Reference(spec)
             for k in TP_DEGREES:
                 rank = RankTransport.attach(gen.plan, f"{name}-tp{k}", 0)
-                for layer, mlp in references.items():
+                for layer in checked_layers(spec):
                     for rows in ROWS:
-                        gen_x = torch.Generator().manual_seed(rows * 1000 + layer)
-                        x = torch.randn(rows, spec.hidden, generator=gen_x).to(torch.bfloat16)
+                        x = _input(spec, layer, rows)
                         out = torch.empty_like(x)
                         rank.call(layer, x, out)
-                        with torch.no_grad():
-                            ref = mlp(x.float())
-                        e = errors(out, ref)
+                        e = errors(out, reference.output(layer, x))
                         verdicts.append(
                             {
                                 "case": f"ffn-numerics/{name}/tp{k}/layer{layer}/rows{rows}",
@@ -98,6 +150,7 @@ def qualify(models: dict[str, Path]) -> list[dict[str, Any]]:
                             }
                         )
                 verdicts.append(_structural(rank, spec, f"structural/{name}/tp{k}"))
+            verdicts += routing_verdicts(name, spec, gen.plan.model(f"{name}-tp1").engine, reference)
     return verdicts
 
 
@@ -132,7 +185,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="crosspool qualify", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--all", action="store_true", help="every dense family (tiny Llama, Qwen2, Qwen3) and SmolLM2-135M")
+    p.add_argument(
+        "--all",
+        action="store_true",
+        help="every family (tiny Llama, Qwen2, Qwen3, Qwen3-MoE, DeepSeek-V2) and SmolLM2-135M",
+    )
     p.add_argument("--model", type=Path, action="append", default=[], help="a checkpoint dir (repeatable)")
     args = p.parse_args(argv)
     models = {path.name: path for path in args.model}

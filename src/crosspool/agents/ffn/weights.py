@@ -2,11 +2,36 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
 from safetensors import safe_open
 
-from crosspool.agents.ffn.dense import ActivationMath, GatedDenseFfn, LinearFactory
-from crosspool.models.spec import ModelFfnSpec
+from crosspool.agents.ffn.dense import ActivationMath, GatedDenseFfn, Linear
+from crosspool.agents.ffn.moe import MoeKernel, RoutedMoeFfn
+from crosspool.models import spec as ffn_spec
+from crosspool.models.spec import LayerFfn, ModelFfnSpec, MoeRouting
 from crosspool.transport.mailbox import DTYPES
+
+LayerExecutor = Callable[[torch.Tensor], torch.Tensor]
+
+
+class EngineKernels(Protocol):
+    """An engine integration's kernel module (`crosspool.integrations.kernels(engine)`): `moe` takes
+    router [E, H], correction bias [E] or None, w13 [E, 2I, H] (gate rows first), w2 [E, H, I]."""
+
+    def linear(self, weight: torch.Tensor, /) -> Linear: ...
+
+    def moe(
+        self,
+        router: torch.Tensor,
+        bias: torch.Tensor | None,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        routing: MoeRouting,
+        /,
+    ) -> MoeKernel: ...
 
 
 def shard_range(size: int, index: int, count: int) -> tuple[int, int]:
@@ -18,36 +43,66 @@ def shard_range(size: int, index: int, count: int) -> tuple[int, int]:
     return start, start + base + (index < extra)
 
 
-def load_dense_layers(
+def _denses(layer: LayerFfn) -> list[ffn_spec.GatedDenseFfn]:
+    if isinstance(layer, ffn_spec.GatedDenseFfn):
+        return [layer]
+    return [*layer.experts, *([layer.shared] if layer.shared else [])]
+
+
+def _sliced(layer: LayerFfn) -> dict[str, tuple[int, int]]:
+    """Key -> (dimension a tensor-parallel shard slices, its size): the intermediate dimension of
+    every gated dense part (rows of gate and up, columns of down). Router tensors are whole."""
+    out = {}
+    for d in _denses(layer):
+        out.update({d.gate_key: (0, d.intermediate), d.up_key: (0, d.intermediate), d.down_key: (1, d.intermediate)})
+    return out
+
+
+def load_layers(
     spec: ModelFfnSpec,
     dtype: str,
     activation_math: ActivationMath,
-    linear: LinearFactory,
+    kernels: EngineKernels,
     layers: list[int] | None = None,
     shards: dict[int, tuple[int, int]] | None = None,
-) -> dict[int, GatedDenseFfn]:
+) -> dict[int, LayerExecutor]:
     """The FFNs of `layers` (default: all) with the engine's arithmetic and kernels. With
     `shards[layer] = (index, count)` only that tensor-parallel shard is read from the checkpoint:
-    rows of gate and up and columns of down of one slice of the intermediate dimension."""
+    one slice of the intermediate dimension of every dense FFN and routed or shared expert."""
     chosen = [spec.layers[i] for i in (range(len(spec.layers)) if layers is None else layers)]
-    torch_dtype = DTYPES[dtype]
-    by_file: dict[str, list[tuple[str, int]]] = {}
+    wanted: dict[str, list[tuple[str, LayerFfn]]] = {}
     for layer in chosen:
         for key in layer.keys:
-            by_file.setdefault(spec.key_files[key], []).append((key, layer.layer))
-    tensors = {}
-    for file, keys in by_file.items():
+            wanted.setdefault(spec.key_files[key], []).append((key, layer))
+    t: dict[str, torch.Tensor] = {}
+    for file, keys in wanted.items():
         with safe_open(spec.path / file, framework="pt") as f:
-            for key, layer_index in sorted(keys):
-                index, count = (shards or {}).get(layer_index, (0, 1))
-                if count == 1:
-                    tensors[key] = f.get_tensor(key).to(torch_dtype)
-                    continue
-                start, end = shard_range(spec.layers[layer_index].intermediate, index, count)
-                part = f.get_slice(key)
-                down = key == spec.layers[layer_index].down_key
-                tensors[key] = (part[:, start:end] if down else part[start:end]).to(torch_dtype)
-    return {
-        l.layer: GatedDenseFfn(tensors[l.gate_key], tensors[l.up_key], tensors[l.down_key], activation_math, linear)
-        for l in chosen
-    }
+            for key, layer in keys:
+                index, count = (shards or {}).get(layer.layer, (0, 1))
+                sliced = _sliced(layer)
+                if key not in sliced or count == 1:
+                    tensor = f.get_tensor(key)
+                else:
+                    dim, size = sliced[key]
+                    start, end = shard_range(size, index, count)
+                    tensor = f.get_slice(key)[:, start:end] if dim else f.get_slice(key)[start:end]
+                # The routing correction bias stays fp32, as engines keep it.
+                bias = isinstance(layer, ffn_spec.MoeFfn) and key == layer.bias_key
+                t[key] = tensor.float() if bias else tensor.to(DTYPES[dtype])
+    return {layer.layer: _executor(layer, t, activation_math, kernels) for layer in chosen}
+
+
+def _executor(
+    layer: LayerFfn, t: dict[str, torch.Tensor], math: ActivationMath, kernels: EngineKernels
+) -> LayerExecutor:
+    def dense(d: ffn_spec.GatedDenseFfn) -> GatedDenseFfn:
+        return GatedDenseFfn(t[d.gate_key], t[d.up_key], t[d.down_key], math, kernels.linear)
+
+    if isinstance(layer, ffn_spec.GatedDenseFfn):
+        return dense(layer)
+    w13 = torch.stack([torch.cat([t[e.gate_key], t[e.up_key]]) for e in layer.experts])
+    w2 = torch.stack([t[e.down_key] for e in layer.experts])
+    bias = t[layer.bias_key] if layer.bias_key else None
+    kernel = kernels.moe(t[layer.router_key], bias, w13, w2, layer.routing)
+    shared = dense(layer.shared) if layer.shared else None
+    return RoutedMoeFfn(kernel, shared, layer.routing.routed_scaling_factor, math)

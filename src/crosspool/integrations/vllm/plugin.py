@@ -21,7 +21,7 @@ from crosspool import ops
 from crosspool.daemon.client import ControlClient
 from crosspool.integrations.vllm.options import UNSUPPORTED
 from crosspool.ipc import die_with_supervisor
-from crosspool.models.spec import ModelFfnSpec, load_ffn_spec
+from crosspool.models.spec import ModelFfnSpec, MoeFfn, load_ffn_spec
 from crosspool.plan import ModelPlan, Plan
 from crosspool.transport.mailbox import RankTransport
 
@@ -76,21 +76,35 @@ def _attach() -> None:
 class CrossPoolFfn(nn.Module):
     """Stands in for the family's MLP: no parameters; forward calls the FFN pool."""
 
-    def __init__(
-        self, hidden_size: int, intermediate_size: int, hidden_act: str, *args: Any, prefix: str = "", **kwargs: Any
-    ) -> None:
+    def __init__(self, *args: Any, prefix: str = "", **kwargs: Any) -> None:
         super().__init__()
         match = re.search(r"layers\.(\d+)\.", prefix + ".")
         assert match, f"cannot tell the layer index from module prefix {prefix!r}"
         self.layer = int(match.group(1))
-        self.hidden_size = hidden_size
+        self.hidden_size = _state["spec"].hidden
         _attach()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         flat = x.reshape(-1, self.hidden_size)
         out = torch.empty_like(flat)
         torch.ops.crosspool.ffn_shim(flat, out, self.layer)
         return out.view(x.shape)
+
+
+class CrossPoolMoe(CrossPoolFfn):
+    """Stands in for the family's MoE block (router, routed and shared experts all live in the
+    pool). The model class counts experts over its MoE blocks at construction; `experts` is what
+    it collects for expert-parallel load balancing, which CrossPool refuses."""
+
+    def __init__(self, *args: Any, prefix: str = "", **kwargs: Any) -> None:
+        super().__init__(prefix=prefix)
+        moe = _state["spec"].layers[self.layer]
+        assert isinstance(moe, MoeFfn), f"vLLM built a MoE block for layer {self.layer}; the checkpoint's is dense"
+        self.n_routed_experts = self.n_logical_experts = len(moe.experts)
+        self.n_physical_experts = self.n_local_physical_experts = len(moe.experts)
+        self.n_redundant_experts = 0
+        self.n_shared_experts = 1 if moe.shared else 0
+        self.experts = None
 
 
 def _filter_ffn_weights(ffn_keys: frozenset[str]) -> None:
@@ -123,9 +137,15 @@ def register() -> None:
     spec = load_ffn_spec(model.path)
     _state.update(plan=plan, model=model, spec=spec)
 
-    from vllm.model_executor.models import llama, qwen2, qwen3
+    from vllm.model_executor.models import deepseek_v2, llama, qwen2, qwen3, qwen3_moe
 
+    # Module globals, read when the decoder layers are built and by the model classes'
+    # isinstance checks over their MoE blocks.
     llama.LlamaMLP = CrossPoolFfn  # type: ignore[misc,assignment]
     qwen2.Qwen2MLP = CrossPoolFfn  # type: ignore[misc,assignment]
     qwen3.Qwen3MLP = CrossPoolFfn  # type: ignore[misc,assignment]
+    qwen3_moe.Qwen3MoeMLP = CrossPoolFfn  # type: ignore[misc,assignment]
+    qwen3_moe.Qwen3MoeSparseMoeBlock = CrossPoolMoe  # type: ignore[misc,assignment]
+    deepseek_v2.DeepseekV2MLP = CrossPoolFfn  # type: ignore[misc,assignment]
+    deepseek_v2.DeepseekV2MoE = CrossPoolMoe  # type: ignore[misc,assignment]
     _filter_ffn_weights(spec.ffn_keys)
