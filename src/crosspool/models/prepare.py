@@ -105,7 +105,7 @@ def make_tiny_checkpoint(
         "qwen3": lambda: transformers.Qwen3Config(**common, head_dim=32, architectures=["Qwen3ForCausalLM"]),
         # Dense, MoE, dense: a transition each way.
         "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
-            **{**common, "num_hidden_layers": 3},
+            **{**common, "num_hidden_layers": max(layers, 3)},
             moe_intermediate_size=64,
             num_experts=8,
             num_experts_per_tok=2,
@@ -116,7 +116,7 @@ def make_tiny_checkpoint(
         # MLA with vLLM's CPU MLA head size (kv_lora_rank 512 + rope 64); grouped top-k, a shared
         # expert and a routed scaling factor.
         "deepseek_v2": lambda: transformers.DeepseekV2Config(
-            **{**common, "num_hidden_layers": 3, "num_key_value_heads": 4},
+            **{**common, "num_hidden_layers": max(layers, 3), "num_key_value_heads": 4},
             moe_intermediate_size=64,
             n_routed_experts=8,
             num_experts_per_tok=2,
