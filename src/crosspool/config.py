@@ -72,6 +72,11 @@ class ModelConfig(_Strict):
     ffn_tp: int = Field(1, ge=1, le=8)
     """FFN tensor parallelism: each layer split over this many FfnAgents (gate/up by rows of the
     intermediate dimension, down by columns), partial sums added in shard order in fp32."""
+    attention_tp: int = Field(1, ge=1, le=4)
+    """Attention tensor parallelism in the engine. The ranks' hidden states are replicated, so
+    one FFN call per layer serves all of them (the first rank publishes, every rank reads)."""
+    attention_dp: int = Field(1, ge=1, le=4)
+    """Attention data parallelism in the engine: each DP rank has its own rows and its own mailbox."""
     max_model_len: int = Field(2048, ge=16)
     max_num_seqs: int = Field(16, ge=1)
     kv_cache_gib: int = Field(1, ge=1)

@@ -35,16 +35,26 @@ class ModelPlan(_Frozen):
     """The Instance's own HTTP server (the front endpoint routes to it)."""
     activation_math: ActivationMath
     """The FFN activation precision of the Instance's execution mode (engine-specific, see dense.py)."""
+    attention_tp: int
+    attention_dp: int
+
+    @property
+    def ranks(self) -> int:
+        """Engine ranks (workers): rank = dp_rank * attention_tp + tp_rank."""
+        return self.attention_tp * self.attention_dp
 
     def layers_on(self, agent: str) -> list[int]:
         return [layer for layer, group in enumerate(self.layer_agents) if agent in group]
 
 
 class MailboxPlan(_Frozen):
+    """One per Instance DP rank; its attention_tp ranks share it (the first one publishes)."""
+
     index: int
     name: str
     model: str
-    rank: int
+    dp_rank: int
+    tp: int
     atn_agent: str
     max_rows: int
     hidden: int
@@ -94,6 +104,10 @@ class Plan(_Frozen):
 
     def mailboxes_of(self, model_id: str) -> list[MailboxPlan]:
         return [mb for mb in self.mailboxes if mb.model == model_id]
+
+    def rank_slots(self) -> list[tuple[str, int]]:
+        """(model, rank) of every engine rank that attaches to the FFN pool."""
+        return [(m.id, rank) for m in self.models for rank in range(m.ranks)]
 
 
 def resolve_specs(deployment: Deployment, source: str) -> dict[str, ModelFfnSpec]:
@@ -158,21 +172,25 @@ def build_plan(
                 layer_agents=placement[m.id],
                 url=f"http://{deployment.host}:{bind_port(deployment.host)}",
                 activation_math=launcher(m.engine).activation_math(m),
+                attention_tp=m.attention_tp,
+                attention_dp=m.attention_dp,
             )
         )
-        mailboxes.append(
+        mailboxes += [
             MailboxPlan(
-                index=len(mailboxes),
-                name=f"{prefix}mb-{m.id}-r0",
+                index=len(mailboxes) + dp_rank,
+                name=f"{prefix}mb-{m.id}-dp{dp_rank}",
                 model=m.id,
-                rank=0,
+                dp_rank=dp_rank,
+                tp=m.attention_tp,
                 atn_agent=atn,
                 max_rows=deployment.limits.max_batched_tokens,
                 hidden=spec.hidden,
                 dtype=m.dtype,
                 shards=m.ffn_tp,
             )
-        )
+            for dp_rank in range(m.attention_dp)
+        ]
     agents = []
     for agent in deployment.ffn_agent:
         held = {m.id: [li for li, group in enumerate(placement[m.id]) if agent.id in group] for m in deployment.model}

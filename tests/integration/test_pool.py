@@ -11,14 +11,14 @@ import time
 import pytest
 import torch
 
-from crosspool.agents.ffn.weights import load_dense_layers
+from crosspool.agents.ffn.weights import load_layers
 from crosspool.config import parse_deployment
 from crosspool.daemon.daemon import running_pool
 from crosspool.daemon.generation import Generation
 from crosspool.integrations import kernels
 from crosspool.models.spec import load_ffn_spec
 from crosspool.plan import resolve
-from crosspool.transport.mailbox import RankTransport
+from crosspool.transport.mailbox import W_REQ_SEQ, RankTransport
 
 
 @pytest.fixture
@@ -36,7 +36,7 @@ engine = "vllm"
         yield (
             gen,
             RankTransport.attach(gen.plan, "q", 0),
-            load_dense_layers(load_ffn_spec(tiny_models["qwen3"]), "bfloat16", "fp32", kernels("vllm").linear),
+            load_layers(load_ffn_spec(tiny_models["qwen3"]), "bfloat16", "fp32", kernels("vllm")),
         )
 
 
@@ -137,7 +137,7 @@ id = "q"
 path = "{tiny_models["qwen3"]}"
 engine = "vllm"
 ''')
-    reference = load_dense_layers(load_ffn_spec(tiny_models["qwen3"]), "bfloat16", "fp32", kernels("vllm").linear)
+    reference = load_layers(load_ffn_spec(tiny_models["qwen3"]), "bfloat16", "fp32", kernels("vllm"))
     with running_pool(resolve(d)) as gen:
         assert gen.plan.model("q").layer_agents == [["ffn0"], ["ffn1"]]
         rank = RankTransport.attach(gen.plan, "q", 0)
@@ -157,15 +157,14 @@ def test_ffn_tensor_parallel_2_and_3(tiny_models, no_leftovers):
         "".join(f'[[ffn_agent]]\nid = "ffn{i}"\n' for i in range(3))
         + "".join(f'[[model]]\nid = "q{k}"\npath = "{path}"\nengine = "vllm"\nffn_tp = {k}\n' for k in (2, 3))
     )
-    spec, linear = load_ffn_spec(path), kernels("vllm").linear
-    whole = load_dense_layers(spec, "bfloat16", "fp32", linear)
+    spec, engine = load_ffn_spec(path), kernels("vllm")
+    whole = load_layers(spec, "bfloat16", "fp32", engine)
     with running_pool(resolve(d)) as gen:
         for k in (2, 3):
             assert all(len(group) == k for group in gen.plan.model(f"q{k}").layer_agents)
             rank = RankTransport.attach(gen.plan, f"q{k}", 0)
             shards = [
-                load_dense_layers(spec, "bfloat16", "fp32", linear, None, dict.fromkeys((0, 1), (i, k)))
-                for i in range(k)
+                load_layers(spec, "bfloat16", "fp32", engine, None, dict.fromkeys((0, 1), (i, k))) for i in range(k)
             ]
             torch.manual_seed(k)
             for rows in (1, 33, 256):
@@ -179,3 +178,34 @@ def test_ffn_tensor_parallel_2_and_3(tiny_models, no_leftovers):
                     assert torch.equal(out, expected.to(torch.bfloat16))
                     ref = whole[layer](x).float()
                     assert ((out.float() - ref).norm() / ref.norm()).item() < 0.01
+
+
+def test_attention_tp_ranks_share_one_call_per_layer(tiny_models, no_leftovers):
+    """attention_tp = 2: rank 0 publishes, rank 1 reads the same reply; the agent computes each
+    call once; rank 0 does not publish its next call before rank 1 has read the previous one."""
+    path = tiny_models["qwen3"]
+    d = parse_deployment(f'[[model]]\nid = "q"\npath = "{path}"\nengine = "vllm"\nattention_tp = 2\n')
+    reference = load_layers(load_ffn_spec(path), "bfloat16", "fp32", kernels("vllm"))
+    with running_pool(resolve(d)) as gen:
+        assert [mb.tp for mb in gen.plan.mailboxes] == [2]
+        ranks = [RankTransport.attach(gen.plan, "q", r) for r in (0, 1)]
+        torch.manual_seed(0)
+        inputs = [torch.randn(rows, 128, dtype=torch.bfloat16) for rows in (1, 7, 64, 256) for _ in range(25)]
+        outs: dict[int, list[torch.Tensor]] = {0: [], 1: []}
+
+        def run(r: int) -> None:
+            for i, x in enumerate(inputs):
+                if r == 1 and i % 10 == 0:
+                    time.sleep(0.01)  # a slow follower: the leader must wait for it
+                out = torch.empty_like(x)
+                ranks[r].call(i % 2, x, out)
+                outs[r].append(out)
+
+        threads = [threading.Thread(target=run, args=(r,)) for r in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert all(torch.equal(a, b) for a, b in zip(outs[0], outs[1], strict=True))
+        assert all(torch.equal(o, reference[i % 2](x)) for i, (x, o) in enumerate(zip(inputs, outs[0], strict=True)))
+        assert ranks[0].mailbox.words[W_REQ_SEQ] == ranks[1].seq == len(inputs)  # one publication per call

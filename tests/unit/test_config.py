@@ -104,3 +104,11 @@ def test_memory_budget_refused_with_amount(tmp_path, tiny_models):
 def test_bench_options_reach_the_benchmark():
     r = _cli("bench", "--repeats", "1", "--help")
     assert r.returncode == 0 and "--round-trips" in r.stdout, r.stderr
+
+
+def test_cpu_binding_of_engine_workers():
+    from crosspool.integrations.vllm.launch import cpu_binding
+
+    assert cpu_binding(2, [0, 1]) == "0|1"
+    assert cpu_binding(4, [0, 1]) == "0|1|0|1"
+    assert cpu_binding(2, [0, 1, 2, 3, 4]) == "0,1|2,3,4"

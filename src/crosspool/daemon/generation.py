@@ -109,7 +109,7 @@ class Generation:
     def _wait_engine(self, model_id: str, deadline: float) -> None:
         what = f"Instance '{model_id}'"
         url = self.plan.model(model_id).url
-        ranks = [("rank", model_id, mb.rank) for mb in self.plan.mailboxes_of(model_id)]
+        ranks = [("rank", model_id, rank) for model_id_, rank in self.plan.rank_slots() if model_id_ == model_id]
         with httpx.Client(timeout=2.0) as client:
             while True:
                 self._check(deadline, what)

@@ -65,7 +65,7 @@ def expected_slots(plan: Plan) -> list[tuple[str, str, int]]:
     return [
         *(("AtnAgent", a, 0) for a in plan.atn_agents),
         *(("FfnAgent", a.id, 0) for a in plan.ffn_agents),
-        *(("rank", mb.model, mb.rank) for mb in plan.mailboxes),
+        *(("rank", model, rank) for model, rank in plan.rank_slots()),
         ("front", "front", 0),
     ]
 

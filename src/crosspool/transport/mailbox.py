@@ -1,5 +1,5 @@
-"""The Transport: one shared-memory mailbox per Instance rank, through which its layer calls reach
-the FFN pool.
+"""The Transport: one shared-memory mailbox per Instance DP rank, through which its layer calls
+reach the FFN pool.
 
 The AtnAgent of the rank's attention device creates and owns the mailbox. A call: the rank
 writes its live rows into `input`, the layer, the row count and its submit time, publishes
@@ -9,6 +9,12 @@ Agent i of the group writes output plane i and a status and publishes its own
 with k (FFN tensor parallelism) it adds the k partial sums in shard order in fp32 and casts once,
 so the result does not depend on which agent finished first. One call is in flight per mailbox
 (a rank's layer calls are serial), so the planes are reused without a ring.
+
+With attention tensor parallelism the TP ranks of a DP rank hold the same hidden states and make
+the same calls, so they share one mailbox: the first rank (the leader) publishes each call, the
+others (followers) wait for the same replies, read the same output planes and acknowledge on
+their own line; the leader publishes its next call only once every follower acknowledged the
+previous one, so planes are never overwritten while a follower still reads them.
 
 The control plane fences a mailbox to stop admitting FFN work: a fenced rank fails its call at
 once with the fence reason, including a call already waiting.
@@ -37,6 +43,8 @@ W_REQ_SEQ, W_LAYER, W_ROWS, W_SUBMIT_LO, W_SUBMIT_HI, W_RANK_PID = 16, 17, 18, 1
 W_FENCE, W_FENCE_LEN = 32, 33  # the control plane
 MAX_SHARDS = 8
 W_RESP_SEQ, W_STATUS, W_ERR_LEN = 48, 49, 50  # the FFN side: shard i's words are 16 * i further
+MAX_TP = 4
+W_ACK, W_FOLLOWER_PID = 176, 177  # attention TP follower f (1..MAX_TP-1): 16 * (f - 1) further
 FENCE_OFFSET, FENCE_CAPACITY = 1024, 1024
 ERR_OFFSET, ERR_CAPACITY = 2048, 256  # shard i's error text at ERR_OFFSET + i * ERR_CAPACITY
 DATA_OFFSET = 4096
@@ -52,6 +60,11 @@ def mailbox_size(max_rows: int, hidden: int, dtype: str, shards: int = 1) -> int
 
 def resp_word(shard: int) -> int:
     return W_RESP_SEQ + 16 * shard
+
+
+def ack_word(follower: int) -> int:
+    assert 1 <= follower < MAX_TP, follower
+    return W_ACK + 16 * (follower - 1)
 
 
 class Mailbox:
@@ -131,18 +144,33 @@ class RankTransport:
 
     @classmethod
     def attach(cls, plan: Plan, model_id: str, rank: int) -> RankTransport:
-        """Attach Instance rank `rank` of `model_id` to its mailbox and the FfnAgents of its layers."""
+        """Attach Instance rank `rank` (dp_rank * attention_tp + tp_rank) of `model_id` to its
+        DP rank's mailbox and the FfnAgents of its layers."""
         model = plan.model(model_id)
+        assert 0 <= rank < model.ranks, (rank, model.ranks)
         inboxes = {a: Inbox.open(plan.inbox_name(a), a) for group in model.layer_agents for a in group}
         return cls(
             model_id,
-            plan.mailboxes_of(model_id)[rank].name,
+            plan.mailboxes_of(model_id)[rank // model.attention_tp].name,
             [[inboxes[a] for a in group] for group in model.layer_agents],
             plan.ffn_timeout_s,
+            tp_rank=rank % model.attention_tp,
+            tp=model.attention_tp,
         )
 
-    def __init__(self, model: str, mailbox_name: str, layer_inboxes: list[list[Inbox]], timeout_s: float) -> None:
-        """`layer_inboxes[layer]`: the FfnAgents that execute that layer (its execution group)."""
+    def __init__(
+        self,
+        model: str,
+        mailbox_name: str,
+        layer_inboxes: list[list[Inbox]],
+        timeout_s: float,
+        *,
+        tp_rank: int = 0,
+        tp: int = 1,
+    ) -> None:
+        """`layer_inboxes[layer]`: the FfnAgents that execute that layer (its execution group).
+        `tp_rank` 0 publishes the calls of the mailbox's `tp` ranks; the others follow."""
+        assert 0 <= tp_rank < tp <= MAX_TP, (tp_rank, tp)
         self.model = model
         self.mailbox = Mailbox.open(mailbox_name)
         w = self.mailbox.words
@@ -152,7 +180,11 @@ class RankTransport:
         self.bound_s = timeout_s
         self.seq = w[W_REQ_SEQ]
         self.latency = LatencyHistogram()
-        w[W_RANK_PID] = os.getpid()
+        self.tp_rank, self.followers = tp_rank, range(1, tp)
+        if tp_rank:
+            w[ack_word(tp_rank) + 1] = os.getpid()
+        else:
+            w[W_RANK_PID] = os.getpid()
 
     def _check(self, group: list[Inbox]) -> None:
         reason = self.mailbox.fence_reason()
@@ -179,9 +211,12 @@ class RankTransport:
         if rows == 0:
             return
         start = time.perf_counter()
-        mb.input[:rows].copy_(hidden)
         group = self.layer_inboxes[layer]
-        self._round_trip(layer, rows, group)
+        if self.tp_rank:
+            self._follow(layer, rows, group)
+        else:
+            mb.input[:rows].copy_(hidden)
+            self._round_trip(layer, rows, group)
         if len(group) == 1:
             out.copy_(mb.outputs[0][:rows])
         else:
@@ -189,6 +224,9 @@ class RankTransport:
             for plane in mb.outputs[1 : len(group)]:
                 total += plane[:rows]
             out.copy_(total)
+        if self.tp_rank:
+            mb.words[ack_word(self.tp_rank)] = self.seq
+            futex_wake(mb.seg.word_addr(ack_word(self.tp_rank)))
         self.latency.observe(time.perf_counter() - start)
 
     def metrics(self) -> MemberMetrics:
@@ -202,30 +240,49 @@ class RankTransport:
         w = self.mailbox.words
         if w[W_FENCE]:
             raise RuntimeError(self.mailbox.fence_reason())
+        deadline = time.monotonic() + self.bound_s
+        for follower in self.followers:  # they must have read the previous call's planes
+            self._wait_word(
+                ack_word(follower), self.seq, deadline, group, f"attention TP rank {follower}", f" before layer {layer}"
+            )
         now = time.monotonic_ns()
         w[W_LAYER], w[W_ROWS], w[W_SUBMIT_LO], w[W_SUBMIT_HI] = layer, rows, now & SEQ_MASK, now >> 32
         seq = self.seq = (self.seq + 1) & SEQ_MASK
         w[W_REQ_SEQ] = seq
         for inbox in group:
             inbox.ring()
-        deadline = time.monotonic() + self.bound_s
-        for shard in range(len(group)):
-            self._wait_reply(shard, seq, layer, rows, group, deadline)
+        self._wait_replies(seq, layer, rows, group, time.monotonic() + self.bound_s)
 
-    def _wait_reply(self, shard: int, seq: int, layer: int, rows: int, group: list[Inbox], deadline: float) -> None:
-        w, word = self.mailbox.words, resp_word(shard)
-        value = w[word]
-        while value != seq:
+    def _follow(self, layer: int, rows: int, group: list[Inbox]) -> None:
+        """A TP follower's call: the leader publishes the same call; wait for its replies."""
+        seq = self.seq = (self.seq + 1) & SEQ_MASK
+        self._wait_replies(seq, layer, rows, group, time.monotonic() + self.bound_s)
+        w = self.mailbox.words
+        if (w[W_LAYER], w[W_ROWS]) != (layer, rows):
+            raise RuntimeError(
+                f"attention TP ranks of {self.model} disagree: call {seq} is layer {w[W_LAYER]} with "
+                f"{w[W_ROWS]} rows on rank 0, layer {layer} with {rows} rows on rank {self.tp_rank}"
+            )
+
+    def _wait_replies(self, seq: int, layer: int, rows: int, group: list[Inbox], deadline: float) -> None:
+        for shard in range(len(group)):
+            who = f"FfnAgent {group[shard].agent!r}"
+            self._wait_word(resp_word(shard), seq, deadline, group, who, f" during layer {layer}", f" ({rows} rows)")
+            if self.mailbox.words[W_STATUS + 16 * shard] != STATUS_OK:
+                raise RuntimeError(self.mailbox.error_text(shard))
+
+    def _wait_word(
+        self, word: int, target: int, deadline: float, group: list[Inbox], who: str, during: str, detail: str = ""
+    ) -> None:
+        value = self.mailbox.words[word]
+        while value != target:
             try:
                 value = wait_word_change(
                     self.mailbox.seg, word, value, deadline=deadline, check=lambda: self._check(group)
                 )
             except TimeoutError:
                 raise RuntimeError(
-                    f"FFN pool failed: FfnAgent {group[shard].agent!r} did not answer within {self.bound_s:g} s "
-                    f"during layer {layer} of {self.model} ({rows} rows)"
+                    f"FFN pool failed: {who} did not answer within {self.bound_s:g} s{during} of {self.model}{detail}"
                 ) from None
             except PeerDied as e:
-                raise RuntimeError(f"{e} during layer {layer} of {self.model}") from None
-        if w[W_STATUS + 16 * shard] != STATUS_OK:
-            raise RuntimeError(self.mailbox.error_text(shard))
+                raise RuntimeError(f"{e}{during} of {self.model}") from None

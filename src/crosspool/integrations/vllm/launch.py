@@ -27,6 +27,16 @@ def cache_root(crosspool_enabled: bool) -> Path:
     return base / ("vllm-crosspool" if crosspool_enabled else "vllm-native")
 
 
+def cpu_binding(workers: int, cpus: list[int]) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for `workers` CPU workers ([DP, TP] order) on `cpus`: vLLM's
+    "auto" wants a NUMA node per worker; here workers get contiguous slices of the allowed CPUs,
+    sharing them round-robin when there are more workers than CPUs."""
+    if workers >= len(cpus):
+        return "|".join(str(cpus[i % len(cpus)]) for i in range(workers))
+    slices = [cpus[i * len(cpus) // workers : (i + 1) * len(cpus) // workers] for i in range(workers)]
+    return "|".join(",".join(map(str, s)) for s in slices)
+
+
 def engine_env(model: ModelConfig, plan_path: Path | None) -> dict[str, str]:
     """Environment of an engine process; `plan_path` None means native vLLM (no CrossPool)."""
     env = dict(os.environ)
@@ -38,6 +48,9 @@ def engine_env(model: ModelConfig, plan_path: Path | None) -> dict[str, str]:
         DO_NOT_TRACK="1",
         PYTHONUNBUFFERED="1",
     )
+    workers = model.attention_tp * model.attention_dp
+    if workers > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(workers, sorted(os.sched_getaffinity(0)))
     env.pop("CROSSPOOL_PLAN", None)
     if plan_path is not None:
         env.update(CROSSPOOL_PLAN=str(plan_path), CROSSPOOL_MODEL=model.id)
@@ -54,6 +67,8 @@ def engine_kwargs(model: ModelConfig, max_batched_tokens: int) -> dict[str, Any]
         "max_num_seqs": model.max_num_seqs,
         "max_num_batched_tokens": max_batched_tokens,
         "enforce_eager": model.enforce_eager,
+        "tensor_parallel_size": model.attention_tp,
+        "data_parallel_size": model.attention_dp,
         **model.engine_args,
     }
 

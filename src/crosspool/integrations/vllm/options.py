@@ -10,8 +10,6 @@ UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "enable_lora": (False, "LoRA adapters on the FFN would be applied by nobody (FFN runs in the pool)"),
     "quantization": (None, "the FFN pool executes unquantized bf16/fp32 weights only"),
     "pipeline_parallel_size": (1, "pipeline parallelism is not qualified with the FFN pool"),
-    "tensor_parallel_size": (1, "attention tensor parallelism is not qualified yet (issue C)"),
-    "data_parallel_size": (1, "attention data parallelism is not qualified yet (issue C)"),
     "decode_context_parallel_size": (1, "context parallelism does not run on vLLM's CPU backend"),
     "prefill_context_parallel_size": (1, "context parallelism does not run on vLLM's CPU backend"),
     "enable_expert_parallel": (False, "expert parallelism belongs to the FFN pool, not the engine"),
@@ -28,6 +26,8 @@ OWNED = {
     "max_num_seqs": "model.max_num_seqs",
     "max_num_batched_tokens": "limits.max_batched_tokens",
     "enforce_eager": "model.enforce_eager",
+    "tensor_parallel_size": "model.attention_tp",
+    "data_parallel_size": "model.attention_dp",
     "port": "deployment.port",
     "host": "deployment.host",
 }

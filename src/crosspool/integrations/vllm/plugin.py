@@ -34,9 +34,7 @@ _state: dict[str, Any] = {}
 def _runtime_problems(vllm_config: Any, model: ModelPlan, spec: ModelFfnSpec) -> list[str]:
     parallel = vllm_config.parallel_config
     seen = {
-        "tensor_parallel_size": parallel.tensor_parallel_size,
         "pipeline_parallel_size": parallel.pipeline_parallel_size,
-        "data_parallel_size": parallel.data_parallel_size,
         "decode_context_parallel_size": parallel.decode_context_parallel_size,
         "prefill_context_parallel_size": getattr(parallel, "prefill_context_parallel_size", 1),
         "enable_expert_parallel": parallel.enable_expert_parallel,
@@ -45,6 +43,11 @@ def _runtime_problems(vllm_config: Any, model: ModelPlan, spec: ModelFfnSpec) ->
         "quantization": vllm_config.model_config.quantization,
     }
     problems = [f"{k}={v!r}: {UNSUPPORTED[k][1]}" for k, v in seen.items() if v != UNSUPPORTED[k][0]]
+    # Dense models' DP ranks run as independent DP=1 engines; data_parallel_index keeps the rank.
+    if parallel.tensor_parallel_size != model.attention_tp:
+        problems.append(f"tensor_parallel_size={parallel.tensor_parallel_size} is not the planned {model.attention_tp}")
+    if not 0 <= parallel.data_parallel_index < model.attention_dp:
+        problems.append(f"data parallel rank {parallel.data_parallel_index} outside the planned {model.attention_dp}")
     archs = vllm_config.model_config.architectures or []
     if spec.architecture not in archs:
         problems.append(f"model architecture {archs} is not the planned {spec.architecture}")
@@ -65,7 +68,9 @@ def _attach() -> None:
     problems = _runtime_problems(get_current_vllm_config(), model, _state["spec"])
     if problems:
         raise RuntimeError("CrossPool cannot serve this vLLM configuration: " + "; ".join(problems))
-    rank = get_tensor_model_parallel_rank()
+    # Each DP rank is its own EngineCore with its own workers (TP ranks 0..tp-1).
+    rank = get_current_vllm_config().parallel_config.data_parallel_index * model.attention_tp
+    rank += get_tensor_model_parallel_rank()
     transport = RankTransport.attach(plan, model.id, rank)
     control = ControlClient(plan, "rank", model.id, rank)
     control.register()
