@@ -191,13 +191,30 @@ def main(argv: list[str] | None = None) -> int:
         help="every family (tiny Llama, Qwen2, Qwen3, Qwen3-MoE, DeepSeek-V2) and SmolLM2-135M",
     )
     p.add_argument("--model", type=Path, action="append", default=[], help="a checkpoint dir (repeatable)")
+    p.add_argument(
+        "--serving",
+        action="store_true",
+        help="also the serving topology matrix through real vLLM engines (crosspool.qualify.serving)",
+    )
+    p.add_argument(
+        "--lanes",
+        type=int,
+        choices=(1, 2),
+        action="append",
+        help="only the serving rows with these executor lanes (repeatable; default: 1 and 2)",
+    )
     args = p.parse_args(argv)
     models = {path.name: path for path in args.model}
     if args.all or not models:
         models = {**default_models(), **models}
     verdicts = qualify(models)
     for v in verdicts:
-        print(json.dumps(v))
+        print(json.dumps(v), flush=True)
+    if args.serving:
+        from crosspool.qualify.serving import default_model, qualify_serving
+
+        lanes = tuple(sorted(set(args.lanes))) if args.lanes else (1, 2)
+        verdicts += qualify_serving(default_model(), lanes)  # prints each verdict as it comes
     failed = [v["case"] for v in verdicts if not v["pass"]]
     print(f"crosspool qualify: {len(verdicts) - len(failed)} of {len(verdicts)} cases pass", file=sys.stderr)
     return 1 if failed else 0

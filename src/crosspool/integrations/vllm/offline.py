@@ -26,18 +26,19 @@ def run(job: dict) -> dict:
 
     model = ModelConfig.model_validate(job["model"])
     kwargs = engine_kwargs(model, job["max_batched_tokens"])
-    llm = LLM(**kwargs, skip_tokenizer_init=True, seed=0, max_logprobs=-1)
+    # raw_logits: "logprobs" then carry the model's raw logits (greedy sampling is unchanged).
+    llm = LLM(**kwargs, skip_tokenizer_init=True, seed=0, max_logprobs=-1, logprobs_mode="raw_logits")
     params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True)
     results: dict = {"runs": []}
-    if job.get("first_logprobs"):
-        # The first step's log-softmax over the whole vocabulary, per prompt (one prompt per batch).
+    if job.get("first_logits"):
+        # The first step's logits over the whole vocabulary, per prompt (one prompt per batch).
         first = SamplingParams(temperature=0.0, max_tokens=1, logprobs=-1)
-        results["first_logprobs"] = []
-        for prompt in job["first_logprobs"]:
+        results["first_logits"] = []
+        for prompt in job["first_logits"]:
             (out,) = llm.generate([{"prompt_token_ids": prompt}], first, use_tqdm=False)  # type: ignore[arg-type]
             steps = out.outputs[0].logprobs
             assert steps is not None and len(steps) == 1
-            results["first_logprobs"].append([steps[0][t].logprob for t in range(len(steps[0]))])
+            results["first_logits"].append([steps[0][t].logprob for t in range(len(steps[0]))])
     for batch in job["batches"]:
         prompts = [{"prompt_token_ids": p} for p in batch]
         start = time.perf_counter()
@@ -57,10 +58,10 @@ def generate_in_child(
     timeout_s: float = 900.0,
     *,
     in_process_engine: bool = True,
-    first_logprobs: list[list[int]] | None = None,
+    first_logits: list[list[int]] | None = None,
 ) -> dict:
     """Run `run` in a fresh process (native vLLM when `plan_path` is None) and return its result.
-    With `first_logprobs` (prompts) it also returns each one's first-step log-probabilities.
+    With `first_logits` (prompts) it also returns each one's first-step logits (whole vocabulary).
 
     `in_process_engine` runs vLLM's EngineCore in the generating process, so every request of a
     batch is scheduled together: batch composition (and with it the bf16 arithmetic of every
@@ -74,7 +75,7 @@ def generate_in_child(
             "max_batched_tokens": max_batched_tokens,
             "batches": batches,
             "max_tokens": max_tokens,
-            "first_logprobs": first_logprobs,
+            "first_logits": first_logits,
             "out": str(out),
         }
         job_file.write_text(json.dumps(job))
@@ -82,7 +83,10 @@ def generate_in_child(
         # batch is scheduled together: batch composition (and with it the bf16 arithmetic of
         # every kernel) no longer depends on how fast requests reach a busy engine.
         env = {**engine_env(model, plan_path), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-        proc = subprocess.Popen([sys.executable, "-m", __name__, str(job_file)], env=env, start_new_session=True)
+        # The engine logs to stdout; callers' stdout may be a JSON report (crosspool qualify).
+        proc = subprocess.Popen(
+            [sys.executable, "-m", __name__, str(job_file)], env=env, start_new_session=True, stdout=2
+        )
         try:
             code = proc.wait(timeout=timeout_s)
         finally:
