@@ -31,5 +31,5 @@ def test_qualify_all_passes(tiny_models, smollm2, no_leftovers):
     # two-models-one-pool row); the lanes 1 half runs in `crosspool qualify --serving` (CI time)
     assert len(serving) == 6 and all(v["layer_calls"] >= 1000 for v in serving)
     identical = [v for v in serving if v["case"].startswith("serving/attn-tp2-dp1/ffn-tp2/")]
-    assert all(v["identical_prefix"] == [64] * 8 for v in identical)  # native TP 2's arithmetic
+    assert all(v["identical_prefix"] == [72] * 8 for v in identical)  # native TP 2's arithmetic
     assert all(v["pass"] for v in verdicts)

@@ -4,7 +4,7 @@ Rows: attention (TP, DP) in {(1,1), (2,1), (1,2)} x FFN TP in {1, 2} x executor 
 on a tiny random Qwen3 (SmolLM2's tokenizer), eager mode; the DP rows serve two models on one
 pool (FFN TP 1 and 2), concurrently, which is also the "two models, one pool" row.
 
-Each prompt is generated alone (8 prompts x 64 greedy tokens), so batch composition never
+Each prompt is generated alone (8 prompts x 72 greedy tokens), so batch composition never
 changes the arithmetic. A row must be token-identical to the configuration that does the same
 arithmetic: native vLLM with the same attention TP when FFN TP equals attention TP (vLLM's own
 TP splits the MLP the same way), and the CrossPool single-rank row with the same FFN TP for DP
@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,7 +42,7 @@ from crosspool.plan import resolve
 from crosspool.qualify.ffn import MAX_NRMSE, MAX_SCALED, STRUCTURAL_CALLS, errors
 from crosspool.transport.mailbox import W_REQ_SEQ, Mailbox
 
-PROMPTS, TOKENS, MAX_BATCHED = 8, 64, 512
+PROMPTS, TOKENS, MAX_BATCHED = 8, 72, 512  # 8 x 72 decode steps x 2 layers > 1,000 layer calls
 
 
 @dataclass(frozen=True)
@@ -187,7 +188,7 @@ def data_parallel_rows(
         for t in threads:
             t.join(timeout=1200)
         status = httpx.get(control + "/status", timeout=10).json()
-        executed = _executed(httpx.get(control + "/metrics", timeout=10).text)
+        executed = _settled_executed(control)
         for row in rows:
             if row.model_id not in got:
                 yield {"case": f"serving/{row.name}", "pass": False, "failure": status.get("failure")}
@@ -198,6 +199,19 @@ def data_parallel_rows(
             verdict = _verdict(row, {"tokens": got[row.model_id]}, reference, what, True, calls, status.get("failure"))
             verdict["concurrent_models"] = [r.model_id for r in rows]
             yield verdict
+
+
+def _settled_executed(control: str, timeout_s: float = 15.0) -> dict[str, int]:
+    """The executed counts once they stop moving: agents report them with their heartbeats."""
+    deadline = time.monotonic() + timeout_s
+    previous = _executed(httpx.get(control + "/metrics", timeout=10).text)
+    while time.monotonic() < deadline:
+        time.sleep(1.5)
+        current = _executed(httpx.get(control + "/metrics", timeout=10).text)
+        if current == previous:
+            break
+        previous = current
+    return previous
 
 
 def _executed(metrics: str) -> dict[str, int]:

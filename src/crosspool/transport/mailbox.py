@@ -44,7 +44,7 @@ W_FENCE, W_FENCE_LEN = 32, 33  # the control plane
 MAX_SHARDS = 8
 W_RESP_SEQ, W_STATUS, W_ERR_LEN = 48, 49, 50  # the FFN side: shard i's words are 16 * i further
 MAX_TP = 4
-W_ACK, W_FOLLOWER_PID = 176, 177  # attention TP follower f (1..MAX_TP-1): 16 * (f - 1) further
+W_ACK = 176  # attention TP follower f (1..MAX_TP-1): its ack at 16 * (f - 1) further, its pid next
 FENCE_OFFSET, FENCE_CAPACITY = 1024, 1024
 ERR_OFFSET, ERR_CAPACITY = 2048, 256  # shard i's error text at ERR_OFFSET + i * ERR_CAPACITY
 DATA_OFFSET = 4096
@@ -182,7 +182,7 @@ class RankTransport:
         self.latency = LatencyHistogram()
         self.tp_rank, self.followers = tp_rank, range(1, tp)
         if tp_rank:
-            w[ack_word(tp_rank) + 1] = os.getpid()
+            w[ack_word(tp_rank) + 1] = os.getpid()  # the follower's pid word
         else:
             w[W_RANK_PID] = os.getpid()
 
@@ -242,9 +242,8 @@ class RankTransport:
             raise RuntimeError(self.mailbox.fence_reason())
         deadline = time.monotonic() + self.bound_s
         for follower in self.followers:  # they must have read the previous call's planes
-            self._wait_word(
-                ack_word(follower), self.seq, deadline, group, f"attention TP rank {follower}", f" before layer {layer}"
-            )
+            who = f"attention TP rank {follower} of {self.model}"
+            self._wait_word(ack_word(follower), self.seq, deadline, group, who, f" before layer {layer}")
         now = time.monotonic_ns()
         w[W_LAYER], w[W_ROWS], w[W_SUBMIT_LO], w[W_SUBMIT_HI] = layer, rows, now & SEQ_MASK, now >> 32
         seq = self.seq = (self.seq + 1) & SEQ_MASK
@@ -266,8 +265,9 @@ class RankTransport:
 
     def _wait_replies(self, seq: int, layer: int, rows: int, group: list[Inbox], deadline: float) -> None:
         for shard in range(len(group)):
-            who = f"FfnAgent {group[shard].agent!r}"
-            self._wait_word(resp_word(shard), seq, deadline, group, who, f" during layer {layer}", f" ({rows} rows)")
+            who = f"FFN pool failed: FfnAgent {group[shard].agent!r}"
+            during = f" during layer {layer} of {self.model}"
+            self._wait_word(resp_word(shard), seq, deadline, group, who, during, f" ({rows} rows)")
             if self.mailbox.words[W_STATUS + 16 * shard] != STATUS_OK:
                 raise RuntimeError(self.mailbox.error_text(shard))
 
@@ -281,8 +281,6 @@ class RankTransport:
                     self.mailbox.seg, word, value, deadline=deadline, check=lambda: self._check(group)
                 )
             except TimeoutError:
-                raise RuntimeError(
-                    f"FFN pool failed: {who} did not answer within {self.bound_s:g} s{during} of {self.model}{detail}"
-                ) from None
+                raise RuntimeError(f"{who} did not answer within {self.bound_s:g} s{during}{detail}") from None
             except PeerDied as e:
-                raise RuntimeError(f"{e}{during} of {self.model}") from None
+                raise RuntimeError(f"{e}{during}") from None

@@ -43,9 +43,9 @@ def _runtime_problems(vllm_config: Any, model: ModelPlan, spec: ModelFfnSpec) ->
         "quantization": vllm_config.model_config.quantization,
     }
     problems = [f"{k}={v!r}: {UNSUPPORTED[k][1]}" for k, v in seen.items() if v != UNSUPPORTED[k][0]]
-    # Dense models' DP ranks run as independent DP=1 engines; data_parallel_index keeps the rank.
     if parallel.tensor_parallel_size != model.attention_tp:
         problems.append(f"tensor_parallel_size={parallel.tensor_parallel_size} is not the planned {model.attention_tp}")
+    # Dense models' DP ranks run as independent DP=1 engines; data_parallel_index keeps the rank.
     if not 0 <= parallel.data_parallel_index < model.attention_dp:
         problems.append(f"data parallel rank {parallel.data_parallel_index} outside the planned {model.attention_dp}")
     archs = vllm_config.model_config.architectures or []
@@ -87,6 +87,8 @@ class CrossPoolFfn(nn.Module):
         assert match, f"cannot tell the layer index from module prefix {prefix!r}"
         self.layer = int(match.group(1))
         self.hidden_size = _state["spec"].hidden
+        moe = isinstance(_state["spec"].layers[self.layer], MoeFfn)
+        assert moe == isinstance(self, CrossPoolMoe), f"vLLM and the FFN spec disagree on layer {self.layer}'s kind"
         _attach()
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -104,7 +106,6 @@ class CrossPoolMoe(CrossPoolFfn):
     def __init__(self, *args: Any, prefix: str = "", **kwargs: Any) -> None:
         super().__init__(prefix=prefix)
         moe = _state["spec"].layers[self.layer]
-        assert isinstance(moe, MoeFfn), f"vLLM built a MoE block for layer {self.layer}; the checkpoint's is dense"
         self.n_routed_experts = self.n_logical_experts = len(moe.experts)
         self.n_physical_experts = self.n_local_physical_experts = len(moe.experts)
         self.n_redundant_experts = 0
