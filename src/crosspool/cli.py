@@ -18,8 +18,10 @@ def _fail(message: str, code: int = 2) -> int:
 
 def cmd_daemon(args: argparse.Namespace) -> int:
     from crosspool.daemon.daemon import run_daemon
+    from crosspool.ipc import die_with_supervisor
     from crosspool.plan import resolve_file
 
+    die_with_supervisor()  # only when started by a CrossPool process that set the variable (qualify)
     return run_daemon(resolve_file(args.file))
 
 

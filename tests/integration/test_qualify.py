@@ -8,7 +8,10 @@ import json
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.timeout(3000)  # ~15 min on a 2-core host: FFN cases, then engines for the serving rows
 def test_qualify_all_passes(tiny_models, smollm2, no_leftovers):
     r = subprocess.run(
         [sys.executable, "-m", "crosspool", "qualify", "--all", "--serving", "--lanes", "2"],

@@ -37,7 +37,7 @@ import torch
 from crosspool.config import parse_deployment
 from crosspool.daemon.daemon import running_pool
 from crosspool.integrations.vllm.offline import generate_in_child
-from crosspool.ipc import bind_port
+from crosspool.ipc import ENV_SUPERVISOR_PID, bind_port
 from crosspool.plan import resolve
 from crosspool.qualify.ffn import MAX_NRMSE, MAX_SCALED, STRUCTURAL_CALLS, errors
 from crosspool.transport.mailbox import W_REQ_SEQ, Mailbox
@@ -146,7 +146,9 @@ def _daemon(text: str) -> Iterator[tuple[str, str]]:
         log = Path(tmp) / "daemon.log"
         with log.open("w") as stderr:
             argv = [sys.executable, "-m", "crosspool", "daemon", str(file)]
-            proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=stderr, text=True)
+            # The daemon stops (SIGTERM) if this process dies, even by SIGKILL.
+            env = {**os.environ, ENV_SUPERVISOR_PID: str(os.getpid())}
+            proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
         try:
             line = proc.stdout.readline() if proc.stdout else ""
             if not line.startswith("crosspool: ready"):
@@ -174,9 +176,11 @@ def _served_tokens(url: str, model: str, work: list[list[int]]) -> list[list[int
 
 def data_parallel_rows(
     path: Path, work: list[list[int]], single: dict[tuple[int, int], dict], lanes: int
-) -> Iterator[dict]:
-    """Attention DP 2 x FFN TP {1, 2}: two models on one pool, served concurrently over HTTP."""
+) -> list[dict[str, Any]]:
+    """Attention DP 2 x FFN TP {1, 2}: two models on one pool, served concurrently over HTTP.
+    Returns rather than yields, so the daemon is always stopped before a caller sees a verdict."""
     rows = [r for r in MATRIX if r.lanes == lanes and r.attention_dp == 2]
+    verdicts: list[dict[str, Any]] = []
     with _daemon(_pool(rows, path, lanes)) as (url, control):
         got: dict[str, list[list[int]]] = {}
         threads = [
@@ -189,16 +193,16 @@ def data_parallel_rows(
             t.join(timeout=1200)
         status = httpx.get(control + "/status", timeout=10).json()
         executed = _settled_executed(control)
-        for row in rows:
-            if row.model_id not in got:
-                yield {"case": f"serving/{row.name}", "pass": False, "failure": status.get("failure")}
-                continue
-            calls = executed.get(row.model_id, 0) // row.ffn_tp
-            reference = single[row.ffn_tp, lanes]
-            what = f"CrossPool attn-tp1 ffn-tp{row.ffn_tp}"  # a DP rank computes a request as one rank does
-            verdict = _verdict(row, {"tokens": got[row.model_id]}, reference, what, True, calls, status.get("failure"))
-            verdict["concurrent_models"] = [r.model_id for r in rows]
-            yield verdict
+    for row in rows:
+        if row.model_id not in got:
+            verdicts.append({"case": f"serving/{row.name}", "pass": False, "failure": status.get("failure")})
+            continue
+        calls = executed.get(row.model_id, 0) // row.ffn_tp
+        what = f"CrossPool attn-tp1 ffn-tp{row.ffn_tp}"  # a DP rank computes a request as one rank does
+        reference, failure = single[row.ffn_tp, lanes], status.get("failure")
+        verdict = _verdict(row, {"tokens": got[row.model_id]}, reference, what, True, calls, failure)
+        verdicts.append({**verdict, "concurrent_models": [r.model_id for r in rows]})
+    return verdicts
 
 
 def _settled_executed(control: str, timeout_s: float = 15.0) -> dict[str, int]:
