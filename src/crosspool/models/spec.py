@@ -69,10 +69,14 @@ class MoeFfn:
         return self.experts[0].activation
 
     @property
+    def denses(self) -> tuple[GatedDenseFfn, ...]:
+        """The routed experts, then the shared expert if any."""
+        return self.experts + ((self.shared,) if self.shared else ())
+
+    @property
     def keys(self) -> tuple[str, ...]:
-        denses = [*self.experts, *([self.shared] if self.shared else [])]
         extra = (self.router_key, *([self.bias_key] if self.bias_key else []))
-        return extra + tuple(key for d in denses for key in d.keys)
+        return extra + tuple(key for d in self.denses for key in d.keys)
 
     def weight_bytes(self, dtype: str) -> int:
         router = len(self.experts) * self.hidden * DTYPE_BYTES[dtype]

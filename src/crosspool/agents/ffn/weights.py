@@ -43,17 +43,11 @@ def shard_range(size: int, index: int, count: int) -> tuple[int, int]:
     return start, start + base + (index < extra)
 
 
-def _denses(layer: LayerFfn) -> list[ffn_spec.GatedDenseFfn]:
-    if isinstance(layer, ffn_spec.GatedDenseFfn):
-        return [layer]
-    return [*layer.experts, *([layer.shared] if layer.shared else [])]
-
-
 def _sliced(layer: LayerFfn) -> dict[str, tuple[int, int]]:
     """Key -> (dimension a tensor-parallel shard slices, its size): the intermediate dimension of
     every gated dense part (rows of gate and up, columns of down). Router tensors are whole."""
     out = {}
-    for d in _denses(layer):
+    for d in (layer,) if isinstance(layer, ffn_spec.GatedDenseFfn) else layer.denses:
         out.update({d.gate_key: (0, d.intermediate), d.up_key: (0, d.intermediate), d.down_key: (1, d.intermediate)})
     return out
 
@@ -71,6 +65,7 @@ def load_layers(
     one slice of the intermediate dimension of every dense FFN and routed or shared expert."""
     chosen = [spec.layers[i] for i in (range(len(spec.layers)) if layers is None else layers)]
     wanted: dict[str, list[tuple[str, LayerFfn]]] = {}
+    sliced = {layer.layer: _sliced(layer) for layer in chosen}
     for layer in chosen:
         for key in layer.keys:
             wanted.setdefault(spec.key_files[key], []).append((key, layer))
@@ -79,11 +74,10 @@ def load_layers(
         with safe_open(spec.path / file, framework="pt") as f:
             for key, layer in keys:
                 index, count = (shards or {}).get(layer.layer, (0, 1))
-                sliced = _sliced(layer)
-                if key not in sliced or count == 1:
+                if key not in sliced[layer.layer] or count == 1:
                     tensor = f.get_tensor(key)
                 else:
-                    dim, size = sliced[key]
+                    dim, size = sliced[layer.layer][key]
                     start, end = shard_range(size, index, count)
                     tensor = f.get_slice(key)[:, start:end] if dim else f.get_slice(key)[start:end]
                 # The routing correction bias stays fp32, as engines keep it.
