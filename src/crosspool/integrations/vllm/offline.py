@@ -26,8 +26,9 @@ def run(job: dict) -> dict:
 
     model = ModelConfig.model_validate(job["model"])
     kwargs = engine_kwargs(model, job["max_batched_tokens"])
-    # raw_logits: "logprobs" then carry the model's raw logits (greedy sampling is unchanged).
-    llm = LLM(**kwargs, skip_tokenizer_init=True, seed=0, max_logprobs=-1, logprobs_mode="raw_logits")
+    if job.get("first_logits"):  # "logprobs" then carry the raw logits of the whole vocabulary
+        kwargs.update(max_logprobs=-1, logprobs_mode="raw_logits")
+    llm = LLM(**kwargs, skip_tokenizer_init=True, seed=0)
     params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True)
     results: dict = {"runs": []}
     if job.get("first_logits"):
