@@ -29,8 +29,12 @@ def smollm2() -> Path:
     return prepare_smollm2()
 
 
+# CrossPool's segments, and those SGLang leaves when its processes are killed (CrossPool removes them).
+LEAK_PREFIXES = (SHM_PREFIX, "sglang_loads_", "sgl_shm_")
+
+
 def crosspool_shm() -> set[str]:
-    return {p.name for p in SHM_DIR.iterdir() if p.name.startswith(SHM_PREFIX)}
+    return {p.name for p in SHM_DIR.iterdir() if p.name.startswith(LEAK_PREFIXES)}
 
 
 def project_processes() -> list[str]:
@@ -45,7 +49,9 @@ def project_processes() -> list[str]:
             or "-m crosspool daemon" in line
             or "vllm.entrypoints" in line
             or "VLLM::" in line
-            or "crosspool.integrations.vllm.offline" in line
+            or ("crosspool.integrations." in line and ".offline" in line)
+            or "sglang.launch_server" in line
+            or "sglang::" in line
         )
         and line.split()[0] != mine
     ]
@@ -73,8 +79,8 @@ def tiny_served(smollm2) -> Path:
     return make_tiny_checkpoint("qwen3", CACHE / "tiny" / "tiny-qwen3-tok", seed=0, tokenizer=smollm2)
 
 
-def model_toml(model_id: str, path: Path, **extra: object) -> str:
-    lines = [f'[[model]]\nid = "{model_id}"\npath = "{path}"\nengine = "vllm"\nmax_model_len = 1024']
+def model_toml(model_id: str, path: Path, engine: str = "vllm", **extra: object) -> str:
+    lines = [f'[[model]]\nid = "{model_id}"\npath = "{path}"\nengine = "{engine}"\nmax_model_len = 1024']
     lines += [f"{k} = {str(v).lower() if isinstance(v, bool) else repr(v)}" for k, v in extra.items()]
     return "\n".join(lines) + "\n"
 

@@ -64,7 +64,7 @@ class FfnAgentConfig(_Strict):
 class ModelConfig(_Strict):
     id: Name
     path: Path
-    engine: Literal["vllm"]
+    engine: Literal["vllm", "sglang"]
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
     attention_device: Name | None = None
     ffn_agent: Name | None = None
@@ -81,8 +81,10 @@ class ModelConfig(_Strict):
     max_num_seqs: int = Field(16, ge=1)
     kv_cache_gib: int = Field(1, ge=1)
     enforce_eager: bool = False
+    """vLLM: true = eager, false = its torch.compile mode. SGLang always serves eager here (its CPU
+    torch.compile decode graph is refused), so the flag does not change an SGLang Instance."""
     engine_args: dict[str, Any] = Field(default_factory=dict)
-    """Extra engine arguments (vLLM EngineArgs names); unsupported ones are refused."""
+    """Extra engine arguments (vLLM EngineArgs or SGLang ServerArgs names); unsupported ones are refused."""
 
     @field_validator("path")
     @classmethod

@@ -154,6 +154,50 @@ def unlink_segments(prefix: str) -> list[str]:
     return removed
 
 
+def _open_shm_files() -> set[str]:
+    """Names of /dev/shm files some process has open or mapped (read from /proc)."""
+    names: set[str] = set()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            for fd in (proc / "fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith(f"{SHM_DIR}/"):
+                    names.add(target.split("/")[-1].removesuffix(" (deleted)"))
+            for line in (proc / "maps").read_text().splitlines():
+                path = line.split(maxsplit=5)[-1] if line.count(" ") >= 5 else ""
+                if path.startswith(f"{SHM_DIR}/"):
+                    names.add(path.split("/")[-1])
+        except OSError:  # the process ended while being read
+            continue
+    return names
+
+
+def unlink_orphans(prefixes: tuple[str, ...], since: float) -> list[str]:
+    """Remove an engine's leftovers: /dev/shm files with one of `prefixes`, created at or after
+    `since` (epoch seconds), that no process has open or mapped any more. Engines killed by
+    signal (SGLang stops its own children with SIGKILL) skip their unlink paths."""
+    if not prefixes:
+        return []
+    candidates = [p for p in SHM_DIR.iterdir() if p.name.startswith(prefixes)]
+    candidates = [p for p in candidates if _mtime(p) >= since]
+    in_use = _open_shm_files() if candidates else set()
+    removed = []
+    for path in candidates:
+        if path.name not in in_use:
+            path.unlink(missing_ok=True)
+            removed.append(path.name)
+    return removed
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except FileNotFoundError:
+        return 0.0
+
+
 class Peer:
     """A process this one depends on, watched through a pidfd (exit is seen even while a zombie)."""
 

@@ -117,6 +117,13 @@ def resolve_specs(deployment: Deployment, source: str) -> dict[str, ModelFfnSpec
             specs[m.id] = load_ffn_spec(m.path)
         except ModelSpecError as e:
             problems.append(f"model[{i}].path: {e} (got '{m.path}')")
+            continue
+        served = launcher(m.engine).ARCHITECTURES
+        if served is not None and specs[m.id].architecture not in served:
+            problems.append(
+                f"model[{i}].engine: {specs[m.id].architecture} is not served through {m.engine} with CrossPool "
+                f"(supported: {', '.join(served)})"
+            )
     if problems:
         raise ConfigError(source, problems)
     return specs

@@ -10,7 +10,7 @@ import pytest
 
 from crosspool.config import parse_deployment
 from crosspool.daemon.daemon import running_pool
-from crosspool.integrations.vllm.offline import generate_in_child
+from crosspool.integrations.offline import generate_in_child
 from crosspool.plan import resolve
 
 pytestmark = pytest.mark.engine

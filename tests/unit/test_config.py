@@ -107,8 +107,34 @@ def test_bench_options_reach_the_benchmark():
 
 
 def test_cpu_binding_of_engine_workers():
-    from crosspool.integrations.vllm.launch import cpu_binding
+    from crosspool.integrations.cpus import cpu_binding
 
     assert cpu_binding(2, [0, 1]) == "0|1"
     assert cpu_binding(4, [0, 1]) == "0|1|0|1"
     assert cpu_binding(2, [0, 1, 2, 3, 4]) == "0,1|2,3,4"
+
+
+def test_sglang_command_and_refusals(tiny_models):
+    from crosspool.integrations import launcher
+    from crosspool.plan import resolve
+
+    d = parse_deployment(_toml(tiny_models["qwen3"]).replace('engine = "vllm"', 'engine = "sglang"\nattention_tp = 2'))
+    sglang = launcher("sglang")
+    argv = sglang.server_command(d.model[0], 512, "127.0.0.1", 9000)
+    flags = dict(zip(argv[3::2], argv[4::2], strict=False))
+    assert argv[1:3] == ["-m", "sglang.launch_server"] and flags["--tp-size"] == "2" and flags["--device"] == "cpu"
+    assert flags["--attention-backend"] == "torch_native" and flags["--chunked-prefill-size"] == "512"
+    config = json.loads((tiny_models["qwen3"] / "config.json").read_text())
+    per_token = config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * config["head_dim"] * 2
+    assert int(flags["--max-total-tokens"]) == 2**30 // per_token  # kv_cache_gib = 1, bf16
+    env = sglang.engine_env(d.model[0], None)
+    assert env["SGLANG_USE_CPU_ENGINE"] == "1" and env["SGLANG_PLUGINS"] == "crosspool"
+    assert len(env["SGLANG_CPU_OMP_THREADS_BIND"].split("|")) == 2 and "CROSSPOOL_PLAN" not in env
+    assert sglang.engine_arg_problems({"enable_torch_compile": True, "tp_size": 2, "enable_mixed_chunk": False}) == [
+        "engine_args.enable_torch_compile: not supported with CrossPool: SGLang's CPU torch.compile decode graph "
+        "is not qualified: CrossPool serves eager (got True)",
+        "engine_args.tp_size: set by CrossPool from model.attention_tp (got 2)",
+    ]
+    moe = parse_deployment(_toml(tiny_models["qwen3_moe"]).replace('engine = "vllm"', 'engine = "sglang"'))
+    with pytest.raises(ConfigError, match="Qwen3MoeForCausalLM is not served through sglang with CrossPool"):
+        resolve(moe)

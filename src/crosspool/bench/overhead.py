@@ -27,7 +27,7 @@ from crosspool.agents.ffn.weights import load_layers
 from crosspool.config import parse_deployment
 from crosspool.daemon.daemon import running_pool
 from crosspool.integrations import kernels
-from crosspool.integrations.vllm.offline import generate_in_child
+from crosspool.integrations.offline import generate_in_child
 from crosspool.models.spec import load_ffn_spec
 from crosspool.plan import Plan, resolve
 from crosspool.transport.mailbox import RankTransport

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import importlib
 from types import ModuleType
+from typing import Any
 
-ENGINES = ("vllm",)
+ENGINES = ("vllm", "sglang")
 
 
 def launcher(engine: str) -> ModuleType:
@@ -19,3 +20,18 @@ def kernels(engine: str) -> ModuleType:
     Importing the engine happens when a kernel is first built, in the FfnAgent only."""
     assert engine in ENGINES, engine
     return importlib.import_module(f"crosspool.integrations.{engine}.kernels")
+
+
+def command_flags(kwargs: dict[str, Any]) -> list[str]:
+    """Engine arguments as server command-line flags: `--name value`, a bare `--name` for True,
+    nothing for False or None, `--name v1 v2` for a list."""
+    argv: list[str] = []
+    for name, value in kwargs.items():
+        flag = "--" + name.replace("_", "-")
+        if value is True:
+            argv.append(flag)
+        elif isinstance(value, list):
+            argv += [flag, *map(str, value)]
+        elif value is not False and value is not None:
+            argv += [flag, str(value)]
+    return argv

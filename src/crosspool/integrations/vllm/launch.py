@@ -8,11 +8,25 @@ from pathlib import Path
 from typing import Any, Literal
 
 from crosspool.config import ModelConfig
+from crosspool.integrations import command_flags
+from crosspool.integrations.cpus import cpu_binding
 from crosspool.integrations.vllm.options import engine_arg_problems
 
 ENGINE = "vllm"
 VERSION = "0.32.0"
-__all__ = ["ENGINE", "VERSION", "activation_math", "engine_arg_problems", "engine_env", "server_command"]
+ARCHITECTURES = None  # every family in crosspool.models
+# multiprocessing semaphores of killed engine processes: removed once
+# no process holds them (ipc.unlink_orphans)
+LEFTOVER_SHM = ("sem.mp-",)
+__all__ = [
+    "ARCHITECTURES",
+    "ENGINE",
+    "VERSION",
+    "activation_math",
+    "engine_arg_problems",
+    "engine_env",
+    "server_command",
+]
 
 
 def activation_math(model: ModelConfig) -> Literal["fp32", "dtype"]:
@@ -25,16 +39,6 @@ def cache_root(crosspool_enabled: bool) -> Path:
     # vLLM's compile cache key ignores model source code: patched and native runs must not share it.
     base = Path(os.environ.get("CROSSPOOL_CACHE", Path.home() / ".cache" / "crosspool"))
     return base / ("vllm-crosspool" if crosspool_enabled else "vllm-native")
-
-
-def cpu_binding(workers: int, cpus: list[int]) -> str:
-    """VLLM_CPU_OMP_THREADS_BIND for `workers` CPU workers ([DP, TP] order) on `cpus`: vLLM's
-    "auto" wants a NUMA node per worker; here workers get contiguous slices of the allowed CPUs,
-    sharing them round-robin when there are more workers than CPUs."""
-    if workers >= len(cpus):
-        return "|".join(str(cpus[i % len(cpus)]) for i in range(workers))
-    slices = [cpus[i * len(cpus) // workers : (i + 1) * len(cpus) // workers] for i in range(workers)]
-    return "|".join(",".join(map(str, s)) for s in slices)
 
 
 def engine_env(model: ModelConfig, plan_path: Path | None) -> dict[str, str]:
@@ -75,15 +79,6 @@ def engine_kwargs(model: ModelConfig, max_batched_tokens: int) -> dict[str, Any]
 
 def server_command(model: ModelConfig, max_batched_tokens: int, host: str, port: int) -> list[str]:
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--host", host, "--port", str(port)]
-    for name, value in engine_kwargs(model, max_batched_tokens).items():
-        flag = "--" + name.replace("_", "-")
-        if value is True:
-            argv.append(flag)
-        elif value is False:
-            continue
-        elif isinstance(value, list):
-            argv += [flag, *map(str, value)]
-        else:
-            argv += [flag, str(value)]
+    argv += command_flags(engine_kwargs(model, max_batched_tokens))
     argv.append("--disable-uvicorn-access-log")
     return argv

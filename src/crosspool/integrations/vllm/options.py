@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from crosspool.integrations import refusals
+
 # engine argument -> (value that is fine, reason it is refused otherwise)
 UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "speculative_config": (None, "speculative decoding runs draft FFNs CrossPool does not place"),
@@ -34,12 +36,4 @@ OWNED = {
 
 
 def engine_arg_problems(engine_args: dict[str, Any]) -> list[str]:
-    """One line per refused engine argument (field and value named)."""
-    problems = []
-    for name, value in engine_args.items():
-        key = name.replace("-", "_")
-        if key in OWNED:
-            problems.append(f"engine_args.{name}: set by CrossPool from {OWNED[key]} (got {value!r})")
-        elif key in UNSUPPORTED and value != UNSUPPORTED[key][0]:
-            problems.append(f"engine_args.{name}: not supported with CrossPool: {UNSUPPORTED[key][1]} (got {value!r})")
-    return problems
+    return refusals.engine_arg_problems(engine_args, UNSUPPORTED, OWNED)

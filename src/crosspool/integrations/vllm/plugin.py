@@ -9,7 +9,6 @@ allocated) and drops the FFN tensors from weight loading. Without it, vLLM stays
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Generator
 from pathlib import Path
 from typing import Any
@@ -19,9 +18,11 @@ from torch import nn
 
 from crosspool import ops
 from crosspool.daemon.client import ControlClient
+from crosspool.integrations.refusals import runtime_problems
+from crosspool.integrations.standin import FfnStandIn
 from crosspool.integrations.vllm.options import UNSUPPORTED
 from crosspool.ipc import die_with_supervisor
-from crosspool.models.spec import ModelFfnSpec, MoeFfn, load_ffn_spec
+from crosspool.models.spec import ModelFfnSpec, load_ffn_spec
 from crosspool.plan import ModelPlan, Plan
 from crosspool.transport.mailbox import RankTransport
 
@@ -42,7 +43,7 @@ def _runtime_problems(vllm_config: Any, model: ModelPlan, spec: ModelFfnSpec) ->
         "enable_lora": vllm_config.lora_config is not None,
         "quantization": vllm_config.model_config.quantization,
     }
-    problems = [f"{k}={v!r}: {UNSUPPORTED[k][1]}" for k, v in seen.items() if v != UNSUPPORTED[k][0]]
+    problems = runtime_problems(seen, UNSUPPORTED)
     if parallel.tensor_parallel_size != model.attention_tp:
         problems.append(f"tensor_parallel_size={parallel.tensor_parallel_size} is not the planned {model.attention_tp}")
     # Dense models' DP ranks run as independent DP=1 engines; data_parallel_index keeps the rank.
@@ -78,24 +79,12 @@ def _attach() -> None:
     ops.attach(transport)
 
 
-class CrossPoolFfn(nn.Module):
+class CrossPoolFfn(FfnStandIn):
     """Stands in for the family's MLP: no parameters; forward calls the FFN pool."""
 
     def __init__(self, *args: Any, prefix: str = "", **kwargs: Any) -> None:
-        super().__init__()
-        match = re.search(r"layers\.(\d+)\.", prefix + ".")
-        assert match, f"cannot tell the layer index from module prefix {prefix!r}"
-        self.layer = int(match.group(1))
-        self.hidden_size = _state["spec"].hidden
-        moe = isinstance(_state["spec"].layers[self.layer], MoeFfn)
-        assert moe == isinstance(self, CrossPoolMoe), f"vLLM and the FFN spec disagree on layer {self.layer}'s kind"
+        super().__init__(_state["spec"], prefix, moe=isinstance(self, CrossPoolMoe))
         _attach()
-
-    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        flat = x.reshape(-1, self.hidden_size)
-        out = torch.empty_like(flat)
-        torch.ops.crosspool.ffn_shim(flat, out, self.layer)
-        return out.view(x.shape)
 
 
 class CrossPoolMoe(CrossPoolFfn):

@@ -1,0 +1,92 @@
+"""How CrossPool starts SGLang: the server command and its environment. Imports no sglang."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, Literal
+
+from crosspool.config import ModelConfig
+from crosspool.integrations import command_flags
+from crosspool.integrations.cpus import cpu_binding
+from crosspool.integrations.sglang.options import FAMILIES, engine_arg_problems
+
+ENGINE = "sglang"
+VERSION = "0.5.23"
+ARCHITECTURES = FAMILIES
+# load-snapshot slots, shm message queues (TP > 1), multiprocessing semaphores: removed once
+# no process holds them (ipc.unlink_orphans)
+LEFTOVER_SHM = ("sglang_loads_", "sgl_shm_", "sem.mp-")
+__all__ = [
+    "ARCHITECTURES",
+    "ENGINE",
+    "VERSION",
+    "activation_math",
+    "engine_arg_problems",
+    "engine_env",
+    "server_command",
+]
+
+_DTYPE_BYTES = {"bfloat16": 2, "float32": 4}
+
+
+def activation_math(model: ModelConfig) -> Literal["fp32", "dtype"]:
+    """SGLang on x86 CPU without AMX runs SiluAndMul.forward_native in the model dtype (two
+    roundings; srt/layers/activation.py) and serves eager only (torch.compile is refused)."""
+    return "dtype"
+
+
+def kv_cache_tokens(model: ModelConfig) -> int:
+    """`max_total_tokens` that fits `kv_cache_gib`: SGLang's CPU default sizes the KV pool from
+    the host's free memory, which several Instances on one host cannot all have."""
+    config = json.loads((model.path / "config.json").read_text())
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    per_token = config["num_hidden_layers"] * 2 * config.get("num_key_value_heads", heads) * head_dim
+    return model.kv_cache_gib * 2**30 // (per_token * _DTYPE_BYTES[model.dtype])
+
+
+def engine_env(model: ModelConfig, plan_path: Path | None) -> dict[str, str]:
+    """Environment of an engine process; `plan_path` None means native SGLang (no CrossPool)."""
+    env = dict(os.environ)
+    workers = model.attention_tp * model.attention_dp
+    env.update(
+        SGLANG_USE_CPU_ENGINE="1",
+        SGLANG_PLUGINS="crosspool",
+        PYTHONUNBUFFERED="1",
+        # Checked against the NUMA nodes even where it is not applied (no AMX): one group per worker.
+        SGLANG_CPU_OMP_THREADS_BIND=env.get("SGLANG_CPU_OMP_THREADS_BIND")
+        or cpu_binding(workers, sorted(os.sched_getaffinity(0))),
+    )
+    env.pop("CROSSPOOL_PLAN", None)
+    if plan_path is not None:
+        # SGLang leaves its ipc:// socket files in TMPDIR: the generation's run dir is removed after.
+        env.update(CROSSPOOL_PLAN=str(plan_path), CROSSPOOL_MODEL=model.id, TMPDIR=str(plan_path.parent))
+    return env
+
+
+def engine_kwargs(model: ModelConfig, max_batched_tokens: int) -> dict[str, Any]:
+    """SGLang server arguments of a model; the same for native and CrossPool runs."""
+    return {
+        "model_path": str(model.path),
+        "served_model_name": model.id,
+        "dtype": model.dtype,
+        "context_length": model.max_model_len,
+        "max_running_requests": model.max_num_seqs,
+        "max_total_tokens": kv_cache_tokens(model),
+        "chunked_prefill_size": max_batched_tokens,
+        "max_prefill_tokens": max_batched_tokens,
+        "tp_size": model.attention_tp,
+        "dp_size": model.attention_dp,
+        "device": "cpu",
+        "attention_backend": "torch_native",
+        **model.engine_args,
+    }
+
+
+def server_command(model: ModelConfig, max_batched_tokens: int, host: str, port: int) -> list[str]:
+    argv = [sys.executable, "-m", "sglang.launch_server", "--host", host, "--port", str(port)]
+    argv += command_flags(engine_kwargs(model, max_batched_tokens))
+    return argv
