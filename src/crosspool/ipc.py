@@ -25,6 +25,9 @@ import torch
 
 SHM_DIR = Path("/dev/shm")
 SHM_PREFIX = "crosspool-"
+# Files engines leave in /dev/shm when their processes are killed (FEASIBILITY.md): multiprocessing
+# semaphores and shared memory, SGLang's load snapshots and message queues.
+ENGINE_LEFTOVERS = ("sem.mp-", "psm_", "sglang_", "sgl_shm_")
 
 _SYS_FUTEX = {"x86_64": 202, "aarch64": 98}[platform.machine()]
 _FUTEX_WAIT = 0
@@ -174,13 +177,15 @@ def _open_shm_files() -> set[str]:
     return names
 
 
-def unlink_orphans(prefixes: tuple[str, ...], since: float) -> list[str]:
-    """Remove an engine's leftovers: /dev/shm files with one of `prefixes`, created at or after
-    `since` (epoch seconds), that no process has open or mapped any more. Engines killed by
-    signal (SGLang stops its own children with SIGKILL) skip their unlink paths."""
-    if not prefixes:
-        return []
-    candidates = [p for p in SHM_DIR.iterdir() if p.name.startswith(prefixes)]
+def shm_names() -> set[str]:
+    return {p.name for p in SHM_DIR.iterdir()}
+
+
+def unlink_orphans(prefixes: tuple[str, ...], since: float, existing: set[str]) -> list[str]:
+    """Remove engines' leftovers: /dev/shm files with one of `prefixes`, not in `existing`,
+    modified at or after `since` (epoch seconds), that no process has open or mapped any more.
+    Engines killed by signal (SGLang stops its own children with SIGKILL) skip their unlink paths."""
+    candidates = [p for p in SHM_DIR.iterdir() if p.name.startswith(prefixes) and p.name not in existing]
     candidates = [p for p in candidates if _mtime(p) >= since]
     in_use = _open_shm_files() if candidates else set()
     removed = []

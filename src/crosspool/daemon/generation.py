@@ -27,7 +27,6 @@ from crosspool.config import Deployment
 from crosspool.daemon.control import ControlState
 from crosspool.daemon.supervisor import Supervisor, log
 from crosspool.integrations import launcher
-from crosspool.ipc import unlink_orphans
 from crosspool.plan import Plan
 from crosspool.transport.mailbox import Mailbox
 
@@ -49,7 +48,6 @@ class Generation:
     def __init__(self, deployment: Deployment, plan: Plan, state: ControlState, stop: threading.Event) -> None:
         self.deployment, self.plan, self.state, self.stop = deployment, plan, state, stop
         self.sup = Supervisor(plan.shm_prefix)
-        self.started_at = time.time()
         self.run_dir = Path(tempfile.mkdtemp(prefix=f"crosspool-{plan.token}-"))
         self.plan_path = self.run_dir / "plan.json"
         self.plan_path.write_text(plan.model_dump_json(indent=1))
@@ -199,6 +197,4 @@ class Generation:
 
     def close(self) -> None:
         self.sup.stop_all(self.deployment.limits.shutdown_grace_s)
-        leftovers = tuple({p for m in self.deployment.model for p in launcher(m.engine).LEFTOVER_SHM})
-        unlink_orphans(leftovers, self.started_at)
         shutil.rmtree(self.run_dir, ignore_errors=True)

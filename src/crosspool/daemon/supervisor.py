@@ -18,10 +18,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from crosspool.ipc import ENV_SUPERVISOR_PID, SHM_DIR, unlink_segments
-
-# Files engines leave in /dev/shm when their processes are killed (FEASIBILITY.md).
-ENGINE_LEFTOVERS = ("sem.mp-", "psm_", "sglang_", "sgl_shm_mq_")
+from crosspool.ipc import ENGINE_LEFTOVERS, ENV_SUPERVISOR_PID, shm_names, unlink_orphans, unlink_segments
 
 
 def log(message: str) -> None:
@@ -50,7 +47,7 @@ class Supervisor:
         self.members: list[Child] = []
         self.stopped = False
         self._started = time.time()
-        self._shm_before = {p.name for p in SHM_DIR.iterdir()}
+        self._shm_before = shm_names()
 
     def _forward(self, member: Child, stream: object) -> None:
         for raw in iter(stream.readline, b""):  # type: ignore[attr-defined]
@@ -104,16 +101,7 @@ class Supervisor:
 
     def _cleanup_shm(self) -> None:
         removed = unlink_segments(self.shm_prefix)
-        stale = []
-        for path in SHM_DIR.iterdir():
-            if path.name in self._shm_before or not path.name.startswith(ENGINE_LEFTOVERS):
-                continue
-            try:
-                if path.stat().st_mtime >= self._started - 1:
-                    path.unlink(missing_ok=True)
-                    stale.append(path.name)
-            except FileNotFoundError:
-                continue
+        stale = unlink_orphans(ENGINE_LEFTOVERS, self._started - 1, self._shm_before)
         if removed:
             log(f"unlinked {len(removed)} CrossPool shared-memory segment(s) left by stopped members")
         if stale:

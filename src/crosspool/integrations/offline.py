@@ -22,7 +22,7 @@ from pathlib import Path
 
 from crosspool.config import ModelConfig
 from crosspool.integrations import launcher
-from crosspool.ipc import unlink_orphans
+from crosspool.ipc import ENGINE_LEFTOVERS, shm_names, unlink_orphans
 
 
 def generate_in_child(
@@ -57,11 +57,10 @@ def generate_in_child(
             "out": str(out),
         }
         job_file.write_text(json.dumps(job))
-        engine = launcher(model.engine)
-        env = engine.engine_env(model, plan_path)
+        env = launcher(model.engine).engine_env(model, plan_path)
         env.update(importlib.import_module(module).offline_env(in_process_engine), TMPDIR=tmp)
         # The engine logs to stdout; callers' stdout may be a JSON report (crosspool qualify).
-        since = time.time()
+        since, existing = time.time(), shm_names()
         proc = subprocess.Popen(
             [sys.executable, "-m", module, str(job_file)], env=env, start_new_session=True, stdout=2
         )
@@ -71,7 +70,7 @@ def generate_in_child(
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-            unlink_orphans(engine.LEFTOVER_SHM, since)
+            unlink_orphans(ENGINE_LEFTOVERS, since, existing)
         if code != 0:
             raise RuntimeError(f"offline {model.engine} run exited with code {code}")
         return json.loads(out.read_text())

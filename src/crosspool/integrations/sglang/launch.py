@@ -16,9 +16,6 @@ from crosspool.integrations.sglang.options import FAMILIES, engine_arg_problems
 ENGINE = "sglang"
 VERSION = "0.5.23"
 ARCHITECTURES = FAMILIES
-# load-snapshot slots, shm message queues (TP > 1), multiprocessing semaphores: removed once
-# no process holds them (ipc.unlink_orphans)
-LEFTOVER_SHM = ("sglang_loads_", "sgl_shm_", "sem.mp-")
 __all__ = [
     "ARCHITECTURES",
     "ENGINE",

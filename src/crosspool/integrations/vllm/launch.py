@@ -15,9 +15,6 @@ from crosspool.integrations.vllm.options import engine_arg_problems
 ENGINE = "vllm"
 VERSION = "0.32.0"
 ARCHITECTURES = None  # every family in crosspool.models
-# multiprocessing semaphores of killed engine processes: removed once
-# no process holds them (ipc.unlink_orphans)
-LEFTOVER_SHM = ("sem.mp-",)
 __all__ = [
     "ARCHITECTURES",
     "ENGINE",
