@@ -28,7 +28,7 @@ from crosspool.agents.ffn.moe import RoutedMoeFfn
 from crosspool.agents.ffn.weights import load_layers
 from crosspool.config import parse_deployment
 from crosspool.daemon.daemon import running_pool
-from crosspool.integrations import kernels
+from crosspool.integrations import ENGINES, kernels, launcher
 from crosspool.models.spec import ModelFfnSpec, MoeFfn, load_ffn_spec
 from crosspool.plan import resolve
 from crosspool.transport.mailbox import RankTransport
@@ -78,12 +78,20 @@ def errors(out: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
     }
 
 
-def _deployment(models: dict[str, Path]) -> str:
+def served(engine: str, spec: ModelFfnSpec) -> bool:
+    architectures = launcher(engine).ARCHITECTURES
+    return architectures is None or spec.architecture in architectures
+
+
+def _deployment(models: dict[str, Path], specs: dict[str, ModelFfnSpec], engines: tuple[str, ...]) -> str:
+    """Each model at each FFN TP degree, once per engine that serves its family: the pool computes
+    with that engine's kernels (`integrations.kernels`)."""
     text = "[limits]\nmax_batched_tokens = 4096\n"
     text += "".join(f'[[ffn_agent]]\nid = "ffn{i}"\nmemory_gib = 8\n' for i in range(max(TP_DEGREES)))
-    for name, path in models.items():
-        for k in TP_DEGREES:
-            text += f'[[model]]\nid = "{name}-tp{k}"\npath = "{path}"\nengine = "vllm"\nffn_tp = {k}\n'
+    for engine in engines:
+        for name, path in models.items():
+            for k in TP_DEGREES if served(engine, specs[name]) else ():
+                text += f'[[model]]\nid = "{engine}-{name}-tp{k}"\npath = "{path}"\nengine = "{engine}"\nffn_tp = {k}\n'
     return text
 
 
@@ -119,7 +127,7 @@ def routing_verdicts(name: str, spec: ModelFfnSpec, engine: str, reference: Refe
             close = torch.isclose(w, ref_weights.gather(1, theirs.indices), atol=ROUTE_ATOL, rtol=ROUTE_RTOL)
             verdicts.append(
                 {
-                    "case": f"moe-routing/{name}/layer{moe.layer}/rows{rows}",
+                    "case": f"moe-routing/{engine}/{name}/layer{moe.layer}/rows{rows}",
                     "pass": bool(same.all() and close.all()),
                     "tokens_with_other_experts": int((~same).sum()),
                     "weights_out_of_tolerance": int((~close).sum()),
@@ -128,29 +136,31 @@ def routing_verdicts(name: str, spec: ModelFfnSpec, engine: str, reference: Refe
     return verdicts
 
 
-def qualify(models: dict[str, Path]) -> list[dict[str, Any]]:
+def qualify(models: dict[str, Path], engines: tuple[str, ...] = ("vllm",)) -> list[dict[str, Any]]:
     verdicts: list[dict[str, Any]] = []
     specs = {name: load_ffn_spec(path) for name, path in models.items()}
-    with running_pool(resolve(parse_deployment(_deployment(models), "qualify"), "qualify")) as gen:
+    with running_pool(resolve(parse_deployment(_deployment(models, specs, engines), "qualify"), "qualify")) as gen:
         for name, spec in specs.items():
             reference = Reference(spec)
-            for k in TP_DEGREES:
-                rank = RankTransport.attach(gen.plan, f"{name}-tp{k}", 0)
-                for layer in checked_layers(spec):
-                    for rows in ROWS:
-                        x = _input(spec, layer, rows)
-                        out = torch.empty_like(x)
-                        rank.call(layer, x, out)
-                        e = errors(out, reference.output(layer, x))
-                        verdicts.append(
-                            {
-                                "case": f"ffn-numerics/{name}/tp{k}/layer{layer}/rows{rows}",
-                                "pass": e["nrmse"] <= MAX_NRMSE and e["max_scaled"] <= MAX_SCALED,
-                                **{key: round(v, 6) for key, v in e.items()},
-                            }
-                        )
-                verdicts.append(_structural(rank, spec, f"structural/{name}/tp{k}"))
-            verdicts += routing_verdicts(name, spec, gen.plan.model(f"{name}-tp1").engine, reference)
+            for engine in (e for e in engines if served(e, spec)):
+                for k in TP_DEGREES:
+                    rank = RankTransport.attach(gen.plan, f"{engine}-{name}-tp{k}", 0)
+                    for layer in checked_layers(spec):
+                        for rows in ROWS:
+                            x = _input(spec, layer, rows)
+                            out = torch.empty_like(x)
+                            rank.call(layer, x, out)
+                            e = errors(out, reference.output(layer, x))
+                            verdicts.append(
+                                {
+                                    "case": f"ffn-numerics/{engine}/{name}/tp{k}/layer{layer}/rows{rows}",
+                                    "pass": e["nrmse"] <= MAX_NRMSE and e["max_scaled"] <= MAX_SCALED,
+                                    **{key: round(v, 6) for key, v in e.items()},
+                                }
+                            )
+                    verdicts.append(_structural(rank, spec, f"structural/{engine}/{name}/tp{k}"))
+                if any(isinstance(layer, MoeFfn) for layer in spec.layers):
+                    verdicts += routing_verdicts(name, spec, engine, reference)
     return verdicts
 
 
@@ -192,6 +202,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--model", type=Path, action="append", default=[], help="a checkpoint dir (repeatable)")
     p.add_argument(
+        "--engine",
+        choices=ENGINES,
+        action="append",
+        help="FFN numerics with this engine's kernels, for the families it serves (repeatable; default: all)",
+    )
+    p.add_argument(
         "--serving",
         action="store_true",
         help="also the serving topology matrix through real vLLM engines (crosspool.qualify.serving)",
@@ -203,18 +219,25 @@ def main(argv: list[str] | None = None) -> int:
         action="append",
         help="only the serving rows with these executor lanes (repeatable; default: 1 and 2)",
     )
+    p.add_argument(
+        "--mode",
+        choices=("eager", "compile"),
+        action="append",
+        help="only the serving rows in this vLLM execution mode (repeatable; default: both)",
+    )
     args = p.parse_args(argv)
     models = {path.name: path for path in args.model}
     if args.all or not models:
         models = {**default_models(), **models}
-    verdicts = qualify(models)
+    verdicts = qualify(models, tuple(dict.fromkeys(args.engine)) if args.engine else ENGINES)
     for v in verdicts:
         print(json.dumps(v), flush=True)
     if args.serving:
         from crosspool.qualify.serving import default_model, qualify_serving
 
         lanes = tuple(sorted(set(args.lanes))) if args.lanes else (1, 2)
-        verdicts += qualify_serving(default_model(), lanes)  # prints each verdict as it comes
+        modes = tuple(dict.fromkeys(args.mode)) if args.mode else ("eager", "compile")
+        verdicts += qualify_serving(default_model(), lanes, modes)  # prints each verdict as it comes
     failed = [v["case"] for v in verdicts if not v["pass"]]
     print(f"crosspool qualify: {len(verdicts) - len(failed)} of {len(verdicts)} cases pass", file=sys.stderr)
     return 1 if failed else 0

@@ -1,14 +1,15 @@
 """`crosspool qualify --serving`: greedy serving per topology through real vLLM engines.
 
-Rows: attention (TP, DP) in {(1,1), (2,1), (1,2)} x FFN TP in {1, 2} x executor lanes in {1, 2},
-on a tiny random Qwen3 (SmolLM2's tokenizer), eager mode; the DP rows serve two models on one
-pool (FFN TP 1 and 2), concurrently, which is also the "two models, one pool" row.
+Rows: attention (TP, DP) in {(1,1), (2,1), (1,2)} x FFN TP in {1, 2} x executor lanes in {1, 2}
+x execution mode (eager, or vLLM's torch.compile), on a tiny random Qwen3 (SmolLM2's tokenizer);
+the DP rows serve two models on one pool (FFN TP 1 and 2), concurrently, which is also the "two
+models, one pool" row.
 
 Each prompt is generated alone (8 prompts x 72 greedy tokens), so batch composition never
 changes the arithmetic. A row must be token-identical to the configuration that does the same
-arithmetic: native vLLM with the same attention TP when FFN TP equals attention TP (vLLM's own
-TP splits the MLP the same way), and the CrossPool single-rank row with the same FFN TP for DP
-rows. Where no native configuration does the same arithmetic (FFN TP != attention TP), the
+arithmetic: native vLLM with the same attention TP and mode when FFN TP equals attention TP
+(vLLM's own TP splits the MLP the same way), and the CrossPool single-rank row with the same FFN
+TP, lanes and mode for DP rows. Where no native configuration does the same arithmetic (FFN TP != attention TP), the
 first step's logits must meet the FFN tolerances against native (normalised RMSE
 <= 0.01, max scaled error <= 0.10) and the verdict reports each prompt's identical greedy prefix.
 Structure: every row makes >= 1,000 layer calls with no failure in the generation.
@@ -36,7 +37,7 @@ import torch
 
 from crosspool.config import parse_deployment
 from crosspool.daemon.daemon import running_pool
-from crosspool.integrations.vllm.offline import generate_in_child
+from crosspool.integrations.offline import generate_in_child
 from crosspool.ipc import ENV_SUPERVISOR_PID, bind_port
 from crosspool.plan import resolve
 from crosspool.qualify.ffn import MAX_NRMSE, MAX_SCALED, STRUCTURAL_CALLS, errors
@@ -51,17 +52,26 @@ class Row:
     attention_dp: int
     ffn_tp: int
     lanes: int
+    mode: str  # "eager" or "compile"
 
     @property
     def name(self) -> str:
-        return f"attn-tp{self.attention_tp}-dp{self.attention_dp}/ffn-tp{self.ffn_tp}/lanes{self.lanes}"
+        topology = f"attn-tp{self.attention_tp}-dp{self.attention_dp}/ffn-tp{self.ffn_tp}"
+        return f"{topology}/lanes{self.lanes}/{self.mode}"
 
     @property
     def model_id(self) -> str:
         return f"tp{self.attention_tp}dp{self.attention_dp}f{self.ffn_tp}"
 
 
-MATRIX = [Row(tp, dp, f, lanes) for lanes in (1, 2) for tp, dp in ((1, 1), (2, 1), (1, 2)) for f in (1, 2)]
+MODES = ("eager", "compile")
+MATRIX = [
+    Row(tp, dp, f, lanes, mode)
+    for mode in MODES
+    for lanes in (1, 2)
+    for tp, dp in ((1, 1), (2, 1), (1, 2))
+    for f in (1, 2)
+]
 
 
 def prompts(vocab: int) -> list[list[int]]:
@@ -76,8 +86,8 @@ def identical_prefix(a: list[int], b: list[int]) -> int:
 def _model(row: Row, path: Path) -> str:
     return (
         f'[[model]]\nid = "{row.model_id}"\npath = "{path}"\nengine = "vllm"\nmax_model_len = 512\n'
-        f"enforce_eager = true\nattention_tp = {row.attention_tp}\nattention_dp = {row.attention_dp}\n"
-        f"ffn_tp = {row.ffn_tp}\n"
+        f"enforce_eager = {str(row.mode == 'eager').lower()}\n"
+        f"attention_tp = {row.attention_tp}\nattention_dp = {row.attention_dp}\nffn_tp = {row.ffn_tp}\n"
     )
 
 
@@ -91,11 +101,11 @@ def _offline(model: Any, work: list[list[int]], plan_path: Path | None) -> dict:
     return {"tokens": [run["tokens"][0] for run in result["runs"]], "logits": result["first_logits"]}
 
 
-def native_references(path: Path, work: list[list[int]]) -> dict[int, dict]:
-    """Native vLLM at attention TP 1 and 2: tokens and first-step logits per prompt."""
+def native_references(path: Path, work: list[list[int]], mode: str) -> dict[int, dict]:
+    """Native vLLM at attention TP 1 and 2 in `mode`: tokens and first-step logits per prompt."""
     refs = {}
     for tp in (1, 2):
-        d = parse_deployment(_pool([Row(tp, 1, 1, 1)], path, 1))
+        d = parse_deployment(_pool([Row(tp, 1, 1, 1, mode)], path, 1))
         refs[tp] = _offline(d.model[0], work, None)
     return refs
 
@@ -122,17 +132,19 @@ def _verdict(
     return verdict
 
 
-def single_rank_rows(path: Path, work: list[list[int]], refs: dict[int, dict], lanes: int) -> Iterator[tuple]:
+def single_rank_rows(
+    path: Path, work: list[list[int]], refs: dict[int, dict], lanes: int, mode: str
+) -> Iterator[tuple]:
     """Attention (1,1) and (2,1) x FFN TP {1, 2}: offline engines, one pool each (an offline
     engine's exit after its run is a member exit for the pool's generation)."""
-    for row in (r for r in MATRIX if r.lanes == lanes and r.attention_dp == 1):
+    for row in (r for r in MATRIX if (r.lanes, r.mode) == (lanes, mode) and r.attention_dp == 1):
         d = parse_deployment(_pool([row], path, lanes))
         with running_pool(resolve(d)) as gen:
             (mailbox_plan,) = gen.plan.mailboxes_of(row.model_id)
             mailbox = Mailbox.open(mailbox_plan.name)
             got = _offline(d.model[0], work, gen.plan_path)
             calls = mailbox.words[W_REQ_SEQ]  # the run ended without error: no call failed
-        what, same = f"native TP{row.attention_tp}", row.ffn_tp == row.attention_tp  # vLLM TP splits its MLP
+        what, same = f"native TP{row.attention_tp} {mode}", row.ffn_tp == row.attention_tp  # vLLM TP splits its MLP
         yield row, got, _verdict(row, got, refs[row.attention_tp], what, same, calls, None)
 
 
@@ -175,11 +187,11 @@ def _served_tokens(url: str, model: str, work: list[list[int]]) -> list[list[int
 
 
 def data_parallel_rows(
-    path: Path, work: list[list[int]], single: dict[tuple[int, int], dict], lanes: int
+    path: Path, work: list[list[int]], single: dict[tuple[int, int, str], dict], lanes: int, mode: str
 ) -> list[dict[str, Any]]:
     """Attention DP 2 x FFN TP {1, 2}: two models on one pool, served concurrently over HTTP.
     Returns rather than yields, so the daemon is always stopped before a caller sees a verdict."""
-    rows = [r for r in MATRIX if r.lanes == lanes and r.attention_dp == 2]
+    rows = [r for r in MATRIX if (r.lanes, r.mode) == (lanes, mode) and r.attention_dp == 2]
     verdicts: list[dict[str, Any]] = []
     with _daemon(_pool(rows, path, lanes)) as (url, control):
         got: dict[str, list[list[int]]] = {}
@@ -198,8 +210,8 @@ def data_parallel_rows(
             verdicts.append({"case": f"serving/{row.name}", "pass": False, "failure": status.get("failure")})
             continue
         calls = executed.get(row.model_id, 0) // row.ffn_tp
-        what = f"CrossPool attn-tp1 ffn-tp{row.ffn_tp}"  # a DP rank computes a request as one rank does
-        reference, failure = single[row.ffn_tp, lanes], status.get("failure")
+        what = f"CrossPool attn-tp1 ffn-tp{row.ffn_tp} {mode}"  # a DP rank computes a request as one rank does
+        reference, failure = single[row.ffn_tp, lanes, mode], status.get("failure")
         verdict = _verdict(row, {"tokens": got[row.model_id]}, reference, what, True, calls, failure)
         verdicts.append({**verdict, "concurrent_models": [r.model_id for r in rows]})
     return verdicts
@@ -229,23 +241,26 @@ def _executed(metrics: str) -> dict[str, int]:
     return out
 
 
-def qualify_serving(path: Path, lanes_options: tuple[int, ...] = (1, 2)) -> list[dict[str, Any]]:
+def qualify_serving(
+    path: Path, lanes_options: tuple[int, ...] = (1, 2), modes: tuple[str, ...] = MODES
+) -> list[dict[str, Any]]:
     import transformers
 
     vocab = len(transformers.AutoTokenizer.from_pretrained(path))
     work = prompts(vocab)
-    refs = native_references(path, work)
     verdicts: list[dict[str, Any]] = []
-    single: dict[tuple[int, int], dict] = {}
-    for lanes in lanes_options:
-        for row, got, verdict in single_rank_rows(path, work, refs, lanes):
-            verdicts.append(verdict)
-            print(json.dumps(verdict), flush=True)
-            if row.attention_tp == 1:
-                single[row.ffn_tp, lanes] = got
-        for verdict in data_parallel_rows(path, work, single, lanes):
-            verdicts.append(verdict)
-            print(json.dumps(verdict), flush=True)
+    single: dict[tuple[int, int, str], dict] = {}
+    for mode in modes:
+        refs = native_references(path, work, mode)
+        for lanes in lanes_options:
+            for row, got, verdict in single_rank_rows(path, work, refs, lanes, mode):
+                verdicts.append(verdict)
+                print(json.dumps(verdict), flush=True)
+                if row.attention_tp == 1:
+                    single[row.ffn_tp, lanes, mode] = got
+            for verdict in data_parallel_rows(path, work, single, lanes, mode):
+                verdicts.append(verdict)
+                print(json.dumps(verdict), flush=True)
     return verdicts
 
 
