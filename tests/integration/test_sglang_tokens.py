@@ -1,5 +1,5 @@
 """Greedy generation through CrossPool is token-identical to native SGLang on the same machine
-and settings: tiny Qwen3 and Llama, SmolLM2-135M, attention TP 1 and 2 (FFN TP equal to it:
+and settings: tiny Qwen3 and SmolLM2-135M (LlamaForCausalLM), attention TP 1 and 2 (FFN TP equal to it:
 SGLang's own TP splits the MLP the same way)."""
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ def _prompts(vocab: int) -> list[list[int]]:
 
 
 @pytest.mark.parametrize(
-    ("model", "tp"), [("tiny-qwen3", 1), ("tiny-qwen3", 2), ("tiny-llama", 1), ("smollm2-135m", 1)]
+    ("model", "tp"),
+    [("tiny-qwen3", 1), ("tiny-qwen3", 2), ("smollm2-135m", 1)],  # SmolLM2 is a Llama
 )
 def test_token_identical_to_native_sglang(model, tp, tiny_models, smollm2, no_leftovers):
     path: Path = smollm2 if model == "smollm2-135m" else tiny_models[model.removeprefix("tiny-")]

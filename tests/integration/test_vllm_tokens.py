@@ -46,9 +46,10 @@ enforce_eager = {str(mode == "eager").lower()}
 @pytest.mark.parametrize(
     ("model", "mode"),
     [
-        ("tiny-qwen3", "compile"),  # eager: `crosspool qualify --serving`, row attn-tp1-dp1/ffn-tp1
+        # eager: `crosspool qualify --serving`, row attn-tp1-dp1/ffn-tp1; SmolLM2 in compile mode
+        # (5.5 min here) ran in issue A's acceptance and in `crosspool qualify` evidence only
+        ("tiny-qwen3", "compile"),
         ("smollm2-135m", "eager"),
-        ("smollm2-135m", "compile"),
         ("tiny-qwen3_moe", "eager"),
     ],
 )

@@ -160,6 +160,10 @@ class FfnAgent:
         self.proc.ready(self.metrics)
         try:
             self.proc.wait_for_stop()
+            # Lanes see the stop within a slice; exiting under a lane still inside a torch op
+            # aborted the process ("terminate called without an active exception").
+            for t in threads:
+                t.join(timeout=5.0)
         finally:
             self.inbox.seg.unlink()
 

@@ -226,6 +226,9 @@ def main(argv: list[str] | None = None) -> int:
         help="only the serving rows in this vLLM execution mode (repeatable; default: both)",
     )
     args = p.parse_args(argv)
+    for path in args.model:
+        if not (path / "config.json").is_file():
+            p.error(f"--model {path}: not a checkpoint directory (no config.json)")
     models = {path.name: path for path in args.model}
     if args.all or not models:
         models = {**default_models(), **models}
