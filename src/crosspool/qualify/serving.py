@@ -164,7 +164,9 @@ def _daemon(text: str) -> Iterator[tuple[str, str]]:
         try:
             line = proc.stdout.readline() if proc.stdout else ""
             if not line.startswith("crosspool: ready"):
-                raise RuntimeError(f"qualify: the DP deployment did not start:\n{log.read_text()[-3000:]}")
+                text = log.read_text()
+                failures = [line for line in text.splitlines() if line.startswith("crosspool: failure")]
+                raise RuntimeError(f"qualify: the DP deployment did not start: {failures}\n{text[-3000:]}")
             yield f"http://127.0.0.1:{port}", f"http://127.0.0.1:{control}"
         finally:
             if proc.poll() is None:
