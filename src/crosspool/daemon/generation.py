@@ -158,7 +158,9 @@ class Generation:
             self.state.fail(f"{dead.name} {dead.exit_text()}{cause}", "exit")
         else:
             with self.state.lock:
-                reason = self.state.registry.first_dead(self.deployment.limits.heartbeat_timeout_s)
+                reason = self.state.registry.first_dead(
+                    self.deployment.limits.heartbeat_timeout_s, self.state.models_ready
+                )
             if reason is not None:
                 self.state.fail(reason, "heartbeat" if "heartbeat" in reason else "exit")
         if self.state.failure is not None:

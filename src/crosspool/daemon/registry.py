@@ -134,12 +134,18 @@ class Registry:
     def missing(self) -> list[str]:
         return [slot_name(*s) for s in self.expected if s not in self.members]
 
-    def first_dead(self, heartbeat_timeout_s: float) -> str | None:
-        """A registered member that exited or went silent, as a failure reason."""
+    def first_dead(self, heartbeat_timeout_s: float, serving: set[str]) -> str | None:
+        """A registered member that exited or went silent, as a failure reason. A rank's silence
+        counts once its Instance serves (`serving`: model ids): while an engine starts, compiling
+        ranks can hold the GIL past the timeout (seen with 4 vLLM DP workers compiling on 2 cores),
+        and the startup deadline bounds that phase."""
         now = time.monotonic()
         for member in self.members.values():
             if not member.peer.alive():
                 return f"{member.name} (pid {member.pid}) exited"
+            role, model, _ = member.slot
+            if role == "rank" and model not in serving:
+                continue
             if now - member.last_seen > heartbeat_timeout_s:
                 return f"{member.name} (pid {member.pid}) sent no heartbeat for {now - member.last_seen:.1f} s"
         return None
