@@ -57,18 +57,23 @@ def project_processes() -> list[str]:
     ]
 
 
+def assert_nothing_left(shm_before: set[str], wait_s: float) -> None:
+    """No shm segment beyond `shm_before` and no project process, once `wait_s` has let them go."""
+    import time
+
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline and (crosspool_shm() - shm_before or project_processes()):
+        time.sleep(0.2)
+    assert crosspool_shm() - shm_before == set(), "shared memory left behind"
+    assert project_processes() == [], "processes left behind"
+
+
 @pytest.fixture
 def no_leftovers():
     """Fails the test if it leaves a CrossPool shm segment or a project process behind."""
     before = crosspool_shm()
     yield
-    import time
-
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline and (crosspool_shm() - before or project_processes()):
-        time.sleep(0.2)
-    assert crosspool_shm() - before == set(), "shared memory left behind"
-    assert project_processes() == [], "processes left behind"
+    assert_nothing_left(before, 20)
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from conftest import RunningDaemon, crosspool_shm, model_toml, project_processes
+from conftest import RunningDaemon, assert_nothing_left, crosspool_shm, model_toml
 from crosspool.config import parse_deployment
 from crosspool.integrations.offline import generate_in_child
 
@@ -52,10 +52,7 @@ def mixed(tiny_served, tmp_path_factory):
         d.stop()
     finally:
         d.kill()
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and (crosspool_shm() - shm_before or project_processes()):
-        time.sleep(0.2)
-    assert crosspool_shm() - shm_before == set() and project_processes() == []
+    assert_nothing_left(shm_before, 30)
 
 
 def _tokens(url: str, model: str, prompt: list[int]) -> list[int]:

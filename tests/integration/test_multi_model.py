@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from conftest import RunningDaemon, crosspool_shm, model_toml, project_processes
+from conftest import RunningDaemon, assert_nothing_left, crosspool_shm, model_toml
 
 pytestmark = pytest.mark.engine
 
@@ -83,10 +83,7 @@ def pair(paths, alone, tmp_path_factory):
         d.stop()
     finally:
         d.kill()
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and (crosspool_shm() - shm_before or project_processes()):
-        time.sleep(0.2)
-    assert crosspool_shm() - shm_before == set() and project_processes() == []
+    assert_nothing_left(shm_before, 30)
 
 
 def test_two_models_concurrently_equal_alone(pair, alone):

@@ -1,16 +1,23 @@
-"""The parameterless module an engine builds in place of a decoder layer's FFN: engine-neutral.
+"""The parameterless module an engine builds in place of a decoder layer's FFN, the rank's
+attachment to the pool and the FFN weight filter: engine-neutral.
 
-Each integration subclasses it to attach its rank to the pool at construction (where the
-engine's parallel state is known) and to match its engine's module contract."""
+Each integration subclasses the module to attach its rank to the pool at construction (where
+the engine's parallel state is known) and to match its engine's module contract."""
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
 
+from crosspool import ops
+from crosspool.daemon.client import ControlClient
 from crosspool.models.spec import ModelFfnSpec, MoeFfn
+from crosspool.plan import Plan
+from crosspool.transport.mailbox import RankTransport
 
 
 class FfnStandIn(nn.Module):
@@ -30,3 +37,30 @@ class FfnStandIn(nn.Module):
         out = torch.empty_like(flat)  # a fresh tensor: engines may overwrite the FFN output in place
         torch.ops.crosspool.ffn_shim(flat, out, self.layer)
         return out.view(x.shape)
+
+
+def attach_rank(plan: Plan, model_id: str, rank: int) -> None:
+    """This rank process's Transport, registered with the daemon and heartbeating; `ffn_shim` uses it."""
+    transport = RankTransport.attach(plan, model_id, rank)
+    control = ControlClient(plan, "rank", model_id, rank)
+    control.register()
+    control.start_heartbeats(transport.metrics)
+    ops.attach(transport)
+
+
+def filter_ffn_weights(loader: type, method: str, ffn_keys: frozenset[str]) -> None:
+    """Wrap `loader.method`, the engine's (name, tensor) iterator over the checkpoint, so it skips
+    the FFN tensors, and fail the load unless it skipped every one of them."""
+    native: Callable[..., Iterator[tuple[str, torch.Tensor]]] = getattr(loader, method)
+
+    def without_ffn(self: Any, *args: Any, **kwargs: Any) -> Iterator[tuple[str, torch.Tensor]]:
+        dropped = 0
+        for name, tensor in native(self, *args, **kwargs):
+            if name in ffn_keys:
+                dropped += 1
+                continue
+            yield name, tensor
+        if dropped != len(ffn_keys):
+            raise RuntimeError(f"CrossPool weight filter dropped {dropped} of {len(ffn_keys)} FFN tensors")
+
+    setattr(loader, method, without_ffn)

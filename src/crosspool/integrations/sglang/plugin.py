@@ -15,21 +15,18 @@ scheduler and with it the server; the daemon also requires every rank to registe
 from __future__ import annotations
 
 import os
-from collections.abc import Generator
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from crosspool import ops
-from crosspool.daemon.client import ControlClient
 from crosspool.integrations.refusals import runtime_problems
 from crosspool.integrations.sglang.options import FAMILIES, UNSUPPORTED
-from crosspool.integrations.standin import FfnStandIn
+from crosspool.integrations.standin import FfnStandIn, attach_rank, filter_ffn_weights
 from crosspool.ipc import die_with_supervisor
 from crosspool.models.spec import load_ffn_spec
 from crosspool.plan import ModelPlan, Plan
-from crosspool.transport.mailbox import RankTransport
 
 ENV_PLAN = "CROSSPOOL_PLAN"
 ENV_MODEL = "CROSSPOOL_MODEL"
@@ -72,11 +69,7 @@ def _attach() -> int:
         raise RuntimeError("CrossPool cannot serve this SGLang configuration: " + "; ".join(problems))
     dp_rank = get_parallel().dp_rank or 0  # None without a DP controller
     rank = dp_rank * model.attention_tp + tp_rank
-    transport = RankTransport.attach(plan, model.id, rank)
-    control = ControlClient(plan, "rank", model.id, rank)
-    control.register()
-    control.start_heartbeats(transport.metrics)
-    ops.attach(transport)
+    attach_rank(plan, model.id, rank)
     return tp_rank
 
 
@@ -101,19 +94,7 @@ class CrossPoolFfn(FfnStandIn):
 def _filter_ffn_weights(ffn_keys: frozenset[str]) -> None:
     from sglang.srt.model_loader.loader import DefaultModelLoader
 
-    native = DefaultModelLoader._get_all_weights
-
-    def _get_all_weights(self: Any, model_config: Any, model: Any) -> Generator[tuple[str, torch.Tensor], None, None]:
-        dropped = 0
-        for name, tensor in native(self, model_config, model):
-            if name in ffn_keys:
-                dropped += 1
-                continue
-            yield name, tensor
-        if dropped != len(ffn_keys):
-            raise RuntimeError(f"CrossPool weight filter dropped {dropped} of {len(ffn_keys)} FFN tensors")
-
-    DefaultModelLoader._get_all_weights = _get_all_weights  # type: ignore[method-assign]
+    filter_ffn_weights(DefaultModelLoader, "_get_all_weights", ffn_keys)
 
 
 def _require_stand_ins() -> None:

@@ -9,22 +9,16 @@ allocated) and drops the FFN tensors from weight loading. Without it, vLLM stays
 from __future__ import annotations
 
 import os
-from collections.abc import Generator
 from pathlib import Path
 from typing import Any
 
-import torch
-from torch import nn
-
 from crosspool import ops
-from crosspool.daemon.client import ControlClient
 from crosspool.integrations.refusals import runtime_problems
-from crosspool.integrations.standin import FfnStandIn
+from crosspool.integrations.standin import FfnStandIn, attach_rank, filter_ffn_weights
 from crosspool.integrations.vllm.options import UNSUPPORTED
 from crosspool.ipc import die_with_supervisor
 from crosspool.models.spec import ModelFfnSpec, load_ffn_spec
 from crosspool.plan import ModelPlan, Plan
-from crosspool.transport.mailbox import RankTransport
 
 ENV_PLAN = "CROSSPOOL_PLAN"
 ENV_MODEL = "CROSSPOOL_MODEL"
@@ -72,11 +66,7 @@ def _attach() -> None:
     # Each DP rank is its own EngineCore with its own workers (TP ranks 0..tp-1).
     rank = get_current_vllm_config().parallel_config.data_parallel_index * model.attention_tp
     rank += get_tensor_model_parallel_rank()
-    transport = RankTransport.attach(plan, model.id, rank)
-    control = ControlClient(plan, "rank", model.id, rank)
-    control.register()
-    control.start_heartbeats(transport.metrics)
-    ops.attach(transport)
+    attach_rank(plan, model.id, rank)
 
 
 class CrossPoolFfn(FfnStandIn):
@@ -105,21 +95,7 @@ class CrossPoolMoe(CrossPoolFfn):
 def _filter_ffn_weights(ffn_keys: frozenset[str]) -> None:
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
-    native = DefaultModelLoader.get_all_weights
-
-    def get_all_weights(
-        self: Any, model_config: Any, model: nn.Module
-    ) -> Generator[tuple[str, torch.Tensor], None, None]:
-        dropped = 0
-        for name, tensor in native(self, model_config, model):
-            if name in ffn_keys:
-                dropped += 1
-                continue
-            yield name, tensor
-        if dropped != len(ffn_keys):
-            raise RuntimeError(f"CrossPool weight filter dropped {dropped} of {len(ffn_keys)} FFN tensors")
-
-    DefaultModelLoader.get_all_weights = get_all_weights  # type: ignore[method-assign]
+    filter_ffn_weights(DefaultModelLoader, "get_all_weights", ffn_keys)
 
 
 def register() -> None:
