@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict
 
 from crosspool.agents.ffn.dense import ActivationMath
 from crosspool.config import ConfigError, Deployment
-from crosspool.integrations import launcher
+from crosspool.integrations import launcher, serves
 from crosspool.ipc import SHM_PREFIX, bind_port
 from crosspool.models.spec import ModelFfnSpec, ModelSpecError, load_ffn_spec
 from crosspool.placement import ModelLayers, PlacementError, place_layers
@@ -118,11 +118,10 @@ def resolve_specs(deployment: Deployment, source: str) -> dict[str, ModelFfnSpec
         except ModelSpecError as e:
             problems.append(f"model[{i}].path: {e} (got '{m.path}')")
             continue
-        served = launcher(m.engine).ARCHITECTURES
-        if served is not None and specs[m.id].architecture not in served:
+        if not serves(m.engine, specs[m.id].architecture):
             problems.append(
                 f"model[{i}].engine: {specs[m.id].architecture} is not served through {m.engine} with CrossPool "
-                f"(supported: {', '.join(served)})"
+                f"(supported: {', '.join(launcher(m.engine).ARCHITECTURES)})"
             )
     if problems:
         raise ConfigError(source, problems)

@@ -22,6 +22,12 @@ def kernels(engine: str) -> ModuleType:
     return importlib.import_module(f"crosspool.integrations.{engine}.kernels")
 
 
+def serves(engine: str, architecture: str) -> bool:
+    """Whether CrossPool serves this model architecture through `engine`."""
+    architectures = launcher(engine).ARCHITECTURES  # None: every family in crosspool.models
+    return architectures is None or architecture in architectures
+
+
 def command_flags(kwargs: dict[str, Any]) -> list[str]:
     """Engine arguments as server command-line flags: `--name value`, a bare `--name` for True,
     nothing for False or None, `--name v1 v2` for a list."""

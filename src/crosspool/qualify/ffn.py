@@ -28,7 +28,7 @@ from crosspool.agents.ffn.moe import RoutedMoeFfn
 from crosspool.agents.ffn.weights import load_layers
 from crosspool.config import parse_deployment
 from crosspool.daemon.daemon import running_pool
-from crosspool.integrations import ENGINES, kernels, launcher
+from crosspool.integrations import ENGINES, kernels, serves
 from crosspool.models.spec import ModelFfnSpec, MoeFfn, load_ffn_spec
 from crosspool.plan import resolve
 from crosspool.transport.mailbox import RankTransport
@@ -78,11 +78,6 @@ def errors(out: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
     }
 
 
-def served(engine: str, spec: ModelFfnSpec) -> bool:
-    architectures = launcher(engine).ARCHITECTURES
-    return architectures is None or spec.architecture in architectures
-
-
 def _deployment(models: dict[str, Path], specs: dict[str, ModelFfnSpec], engines: tuple[str, ...]) -> str:
     """Each model at each FFN TP degree, once per engine that serves its family: the pool computes
     with that engine's kernels (`integrations.kernels`)."""
@@ -90,7 +85,7 @@ def _deployment(models: dict[str, Path], specs: dict[str, ModelFfnSpec], engines
     text += "".join(f'[[ffn_agent]]\nid = "ffn{i}"\nmemory_gib = 8\n' for i in range(max(TP_DEGREES)))
     for engine in engines:
         for name, path in models.items():
-            for k in TP_DEGREES if served(engine, specs[name]) else ():
+            for k in TP_DEGREES if serves(engine, specs[name].architecture) else ():
                 text += f'[[model]]\nid = "{engine}-{name}-tp{k}"\npath = "{path}"\nengine = "{engine}"\nffn_tp = {k}\n'
     return text
 
@@ -142,7 +137,7 @@ def qualify(models: dict[str, Path], engines: tuple[str, ...] = ("vllm",)) -> li
     with running_pool(resolve(parse_deployment(_deployment(models, specs, engines), "qualify"), "qualify")) as gen:
         for name, spec in specs.items():
             reference = Reference(spec)
-            for engine in (e for e in engines if served(e, spec)):
+            for engine in (e for e in engines if serves(e, spec.architecture)):
                 for k in TP_DEGREES:
                     rank = RankTransport.attach(gen.plan, f"{engine}-{name}-tp{k}", 0)
                     for layer in checked_layers(spec):
