@@ -5,14 +5,18 @@ plain torch in this process.
 
 Each FfnAgent computes with `--threads` torch threads; the in-process baseline runs with the
 same total thread count as the pool row it is compared with (TP k: k x threads), on the same
-seeded input. Pool and baseline alternate within each repeat; the report gives median
-rows/s and the pool/plain ratio per (rows, TP).
+seeded input. Two baselines: plain `F.linear` (the target's), and the engine's own linear
+kernels in this process (what the pool computes with, so that ratio is the executor's cost
+alone: transport, sharding, the fp32 reduction). Pool and baselines alternate within each
+repeat; the report gives median rows/s and the ratios per (rows, TP).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
 import statistics
 import sys
 from pathlib import Path
@@ -26,6 +30,7 @@ from crosspool.agents.ffn.weights import load_layers
 from crosspool.bench.overhead import timed_us
 from crosspool.config import parse_deployment
 from crosspool.daemon.daemon import running_pool
+from crosspool.integrations import kernels
 from crosspool.models.spec import load_ffn_spec
 from crosspool.plan import resolve
 from crosspool.transport.mailbox import DTYPES, RankTransport
@@ -53,6 +58,12 @@ class PlainTorch:
         raise NotImplementedError("the executor benchmark times dense layers")
 
 
+def _cpu_model() -> str:
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), platform.machine())
+
+
 def main(argv: list[str] | None = None) -> int:
     from crosspool.models.prepare import prepare_smollm2
 
@@ -73,9 +84,12 @@ def main(argv: list[str] | None = None) -> int:
     resolved = resolve(parse_deployment(_deployment(model, args.dtype, args.threads), "bench"), "bench")
     # The in-process MLP: plain F.linear, and the activation as the pool computes it for this plan.
     math = resolved.plan().models[0].activation_math
-    plain = load_layers(spec, args.dtype, math, PlainTorch(), [args.layer])[args.layer]
+    baselines = {
+        "plain": load_layers(spec, args.dtype, math, PlainTorch(), [args.layer])[args.layer],
+        "engine": load_layers(spec, args.dtype, math, kernels("vllm"), [args.layer])[args.layer],
+    }
     samples: dict[tuple[int, int], dict[str, list[float]]] = {
-        (rows, k): {"pool": [], "plain": []} for rows in ROWS for k in TP_DEGREES
+        (rows, k): {"pool": [], "plain": [], "engine": []} for rows in ROWS for k in TP_DEGREES
     }
     threads = torch.get_num_threads()
     with running_pool(resolved) as gen:
@@ -92,12 +106,13 @@ def main(argv: list[str] | None = None) -> int:
                     )
                     torch.set_num_threads(k * args.threads)
                     try:
-                        case["plain"].append(timed_us(lambda: plain(x), calls, warmup=2)["p50"])  # noqa: B023
+                        for name, ffn in baselines.items():
+                            case[name].append(timed_us(lambda: ffn(x), calls, warmup=2)["p50"])  # noqa: B023
                     finally:
                         torch.set_num_threads(threads)
     cases = []
     for (rows, k), case in samples.items():
-        pool_us, plain_us = statistics.median(case["pool"]), statistics.median(case["plain"])
+        pool_us, plain_us, engine_us = (statistics.median(case[name]) for name in ("pool", "plain", "engine"))
         cases.append(
             {
                 "rows": rows,
@@ -105,12 +120,16 @@ def main(argv: list[str] | None = None) -> int:
                 "threads_total": k * args.threads,
                 "pool_us": case["pool"],
                 "plain_us": case["plain"],
+                "engine_us": case["engine"],
                 "pool_rows_per_s": rows / pool_us * 1e6,
                 "plain_rows_per_s": rows / plain_us * 1e6,
+                "engine_rows_per_s": rows / engine_us * 1e6,
                 "ratio": plain_us / pool_us,
+                "ratio_vs_engine_kernels": engine_us / pool_us,
             }
         )
     result = {
+        "host": {"cpu": _cpu_model(), "cores": os.cpu_count(), "torch": torch.__version__},
         "model": str(model),
         "layer": args.layer,
         "dtype": args.dtype,
@@ -125,7 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     for c in cases:
         print(
             f"rows {c['rows']:>4} TP {c['ffn_tp']}: pool {c['pool_rows_per_s']:>9.0f} rows/s, "
-            f"plain torch ({c['threads_total']} threads) {c['plain_rows_per_s']:>9.0f} rows/s, ratio {c['ratio']:.2f}",
+            f"plain torch ({c['threads_total']} threads) {c['plain_rows_per_s']:>9.0f} rows/s, ratio {c['ratio']:.2f}; "
+            f"engine kernels in-process {c['engine_rows_per_s']:>9.0f} rows/s, "
+            f"ratio {c['ratio_vs_engine_kernels']:.2f}",
             file=sys.stderr,
         )
     return 0
