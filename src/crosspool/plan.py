@@ -249,7 +249,7 @@ def resolve(deployment: Deployment, source: str = "<deployment>") -> Resolved:
     listing every problem found."""
     problems = []
     for i, m in enumerate(deployment.model):
-        problems += [f"model[{i}].{p}" for p in launcher(m.engine).engine_arg_problems(m.engine_args)]
+        problems += [f"model[{i}].{p}" for p in launcher(m.engine).model_problems(m)]
     if problems:
         raise ConfigError(source, problems)
     specs = resolve_specs(deployment, source)

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from crosspool.config import ConfigError, parse_deployment
+from crosspool.integrations.sglang.options import engine_arg_problems
 
 
 def _toml(path: Path, extra: str = "", model_extra: str = "") -> str:
@@ -130,11 +131,14 @@ def test_sglang_command_and_refusals(tiny_models):
     env = sglang.engine_env(d.model[0], None)
     assert env["SGLANG_USE_CPU_ENGINE"] == "1" and env["SGLANG_PLUGINS"] == "crosspool"
     assert len(env["SGLANG_CPU_OMP_THREADS_BIND"].split("|")) == 2 and "CROSSPOOL_PLAN" not in env
-    assert sglang.engine_arg_problems({"enable_torch_compile": True, "tp_size": 2, "enable_mixed_chunk": False}) == [
+    assert engine_arg_problems({"enable_torch_compile": True, "tp_size": 2, "enable_mixed_chunk": False}) == [
         "engine_args.enable_torch_compile: not supported with CrossPool: SGLang's CPU torch.compile decode graph "
         "is not qualified: CrossPool serves eager (got True)",
         "engine_args.tp_size: set by CrossPool from model.attention_tp (got 2)",
     ]
+    dp = parse_deployment(_toml(tiny_models["qwen3"]).replace('engine = "vllm"', 'engine = "sglang"\nattention_dp = 2'))
+    with pytest.raises(ConfigError, match=r"model\[0\]\.attention_dp: SGLang data parallelism is not qualified"):
+        resolve(dp)
     moe = parse_deployment(_toml(tiny_models["qwen3_moe"]).replace('engine = "vllm"', 'engine = "sglang"'))
     with pytest.raises(ConfigError, match="Qwen3MoeForCausalLM is not served through sglang with CrossPool"):
         resolve(moe)

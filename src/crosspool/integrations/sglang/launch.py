@@ -21,12 +21,25 @@ __all__ = [
     "ENGINE",
     "VERSION",
     "activation_math",
-    "engine_arg_problems",
     "engine_env",
+    "model_problems",
     "server_command",
 ]
 
 _DTYPE_BYTES = {"bfloat16": 2, "float32": 4}
+
+
+def model_problems(model: ModelConfig) -> list[str]:
+    """What of this model's configuration SGLang cannot serve with CrossPool (field named)."""
+    problems = engine_arg_problems(model.engine_args)
+    if model.attention_dp != 1:
+        # Its DP controller's replicas would attach as ranks dp * tp + tp_rank, but no run has
+        # checked them against native SGLang DP: refused until qualified (vLLM serves DP).
+        problems.append(
+            f"attention_dp: SGLang data parallelism is not qualified with CrossPool; "
+            f'use engine = "vllm" for attention DP (got {model.attention_dp})'
+        )
+    return problems
 
 
 def activation_math(model: ModelConfig) -> Literal["fp32", "dtype"]:

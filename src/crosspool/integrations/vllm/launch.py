@@ -20,10 +20,15 @@ __all__ = [
     "ENGINE",
     "VERSION",
     "activation_math",
-    "engine_arg_problems",
     "engine_env",
+    "model_problems",
     "server_command",
 ]
+
+
+def model_problems(model: ModelConfig) -> list[str]:
+    """What of this model's configuration vLLM cannot serve with CrossPool (field named)."""
+    return engine_arg_problems(model.engine_args)
 
 
 def activation_math(model: ModelConfig) -> Literal["fp32", "dtype"]:
