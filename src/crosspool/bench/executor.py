@@ -82,11 +82,12 @@ def main(argv: list[str] | None = None) -> int:
     model = args.model or prepare_smollm2()
     spec = load_ffn_spec(model)
     resolved = resolve(parse_deployment(_deployment(model, args.dtype, args.threads), "bench"), "bench")
-    # The in-process MLP: plain F.linear, and the activation as the pool computes it for this plan.
-    math = resolved.plan().models[0].activation_math
+    # The in-process MLPs: plain F.linear, and the plan's engine kernels; both with the activation
+    # as the pool computes it for this plan.
+    pooled = resolved.plan().models[0]
     baselines = {
-        "plain": load_layers(spec, args.dtype, math, PlainTorch(), [args.layer])[args.layer],
-        "engine": load_layers(spec, args.dtype, math, kernels("vllm"), [args.layer])[args.layer],
+        name: load_layers(spec, args.dtype, pooled.activation_math, linears, [args.layer])[args.layer]
+        for name, linears in (("plain", PlainTorch()), ("engine", kernels(pooled.engine)))
     }
     samples: dict[tuple[int, int], dict[str, list[float]]] = {
         (rows, k): {"pool": [], "plain": [], "engine": []} for rows in ROWS for k in TP_DEGREES
