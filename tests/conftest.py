@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
+import time
+from collections.abc import Iterator, Set
 from pathlib import Path
 
 import pytest
 
+from crosspool import envs
 from crosspool.ipc import SHM_DIR, SHM_PREFIX
 
-CACHE = Path(os.environ.get("CROSSPOOL_CACHE", Path.home() / ".cache" / "crosspool"))
+CACHE = envs.cache_root()
 
 
 @pytest.fixture(scope="session")
@@ -27,6 +31,32 @@ def smollm2() -> Path:
     from crosspool.models.prepare import prepare_smollm2
 
     return prepare_smollm2()
+
+
+@contextlib.contextmanager
+def frozen(pid: int, timeout_s: float = 5.0) -> Iterator[None]:
+    """SIGSTOP `pid` and wait until every one of its threads is stopped; SIGCONT after.
+
+    kill(SIGSTOP) returns before a multithreaded process stops: the kernel wakes one thread
+    (the main one), which stops the others once it runs. Until then a thread woken by other
+    means runs on: an FfnAgent lane woken by the doorbell answered a call made right after
+    kill() in 3 of 30 tries here, and in every try on an AMX Xeon host."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not all(_thread_state(pid, t) in "tT" for t in os.listdir(f"/proc/{pid}/task")):
+            assert time.monotonic() < deadline, f"pid {pid} did not stop within {timeout_s} s"
+            time.sleep(0.001)
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+def _thread_state(pid: int, tid: str) -> str:
+    try:
+        return Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:  # the thread ended
+        return "T"
 
 
 # CrossPool's segments, and those SGLang leaves when its processes are killed (CrossPool removes them).
@@ -57,23 +87,28 @@ def project_processes() -> list[str]:
     ]
 
 
-def assert_nothing_left(shm_before: set[str], wait_s: float) -> None:
-    """No shm segment beyond `shm_before` and no project process, once `wait_s` has let them go."""
-    import time
-
+def assert_nothing_left(shm_before: Set[str], wait_s: float, procs_before: Set[str] = frozenset()) -> None:
+    """No shm segment beyond `shm_before` and no project process beyond `procs_before` (those of a
+    module's shared deployment), once `wait_s` has let them go."""
     deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline and (crosspool_shm() - shm_before or project_processes()):
+
+    def left() -> tuple[set[str], set[str]]:
+        return crosspool_shm() - shm_before, set(project_processes()) - procs_before
+
+    while time.monotonic() < deadline and any(left()):
         time.sleep(0.2)
-    assert crosspool_shm() - shm_before == set(), "shared memory left behind"
-    assert project_processes() == [], "processes left behind"
+    shm, procs = left()
+    assert shm == set(), f"shared memory left behind: {sorted(shm)}"
+    assert procs == set(), f"processes left behind: {sorted(procs)}"
 
 
 @pytest.fixture
 def no_leftovers():
-    """Fails the test if it leaves a CrossPool shm segment or a project process behind."""
-    before = crosspool_shm()
+    """Fails the test if it leaves a CrossPool shm segment or a project process behind (beyond
+    what was there before it: a module's shared deployment)."""
+    shm, procs = crosspool_shm(), set(project_processes())
     yield
-    assert_nothing_left(before, 20)
+    assert_nothing_left(shm, 20, procs)
 
 
 @pytest.fixture(scope="session")

@@ -19,7 +19,7 @@ def _fail(message: str, code: int = 2) -> int:
 def cmd_daemon(args: argparse.Namespace) -> int:
     from crosspool.daemon.daemon import run_daemon
     from crosspool.ipc import die_with_supervisor
-    from crosspool.plan import resolve_file
+    from crosspool.resolve import resolve_file
 
     die_with_supervisor()  # only when started by a CrossPool process that set the variable (qualify)
     return run_daemon(resolve_file(args.file))
@@ -67,7 +67,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_config_check(args: argparse.Namespace) -> int:
-    from crosspool.plan import resolve_file
+    from crosspool.resolve import resolve_file
 
     checked = resolve_file(args.file)
     deployment, specs, plan = checked.deployment, checked.specs, checked.plan()

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from crosspool import envs
+
 SHM_DIR = Path("/dev/shm")
 SHM_PREFIX = "crosspool-"
 # Files engines leave in /dev/shm when their processes are killed (FEASIBILITY.md): multiprocessing
@@ -93,18 +95,33 @@ class Semaphore:
 
 
 _PR_SET_PDEATHSIG = 1
-ENV_SUPERVISOR_PID = "CROSSPOOL_SUPERVISOR_PID"
+
+
+def supervisor_pid() -> int | None:
+    """The daemon that started this process (envs.SUPERVISOR_PID), if one did."""
+    pid = os.environ.get(envs.SUPERVISOR_PID)
+    return int(pid) if pid else None
+
+
+def supervisor_gone() -> bool:
+    """The daemon that started this process is gone (this process was re-parented)."""
+    supervisor = supervisor_pid()
+    return supervisor is not None and os.getppid() != supervisor
 
 
 def die_with_supervisor() -> None:
     """Get SIGTERM when the supervising `crosspool serve` dies, even by SIGKILL (members are
     in their own sessions, so nothing else would stop them). Only for its direct children."""
-    supervisor = os.environ.get(ENV_SUPERVISOR_PID)
-    if supervisor is None or os.getppid() != int(supervisor):
+    supervisor = supervisor_pid()
+    if supervisor is None or os.getppid() != supervisor:
         return
     _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    if os.getppid() != int(supervisor):  # it died before prctl took effect
+    if os.getppid() != supervisor:  # it died before prctl took effect
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+class SegmentMissing(FileNotFoundError):
+    """A shared-memory segment to attach to does not exist (never created, or already unlinked)."""
 
 
 class Segment:
@@ -118,7 +135,7 @@ class Segment:
         try:
             fd = os.open(self.path, flags, 0o600)
         except FileNotFoundError:
-            raise RuntimeError(f"shared-memory segment {name!r} does not exist") from None
+            raise SegmentMissing(f"shared-memory segment {name!r} does not exist") from None
         try:
             if create:
                 os.ftruncate(fd, size)
@@ -223,15 +240,11 @@ class Peer:
         return not ready
 
 
-class PeerDied(RuntimeError):
-    pass
-
-
 # Spinning before blocking pays only where a core is free for the spinner. On a 2-vCPU host a
 # spinner holds the core the woken peer is scheduled on: futex ping-pong between two processes
 # took p50 18 us with no spin and 123 us with a 50 us spin, and SmolLM2 serving ran 20-30% faster
-# with none. Hosts with cores to spare can set CROSSPOOL_SPIN_US.
-SPIN_S = float(os.environ.get("CROSSPOOL_SPIN_US", "0")) * 1e-6
+# with none. Hosts with cores to spare can set CROSSPOOL_SPIN_US (envs.SPIN_US).
+SPIN_S = envs.spin_s()
 SLICE_S = 0.05
 
 

@@ -14,6 +14,8 @@ from typing import Protocol
 
 import torch
 
+from crosspool.transport.errors import FfnCallRejected
+
 
 class FfnTransport(Protocol):
     def call(self, layer: int, hidden: torch.Tensor, out: torch.Tensor) -> None: ...
@@ -33,7 +35,7 @@ def attached() -> bool:
 
 def ffn_shim(hidden: torch.Tensor, out: torch.Tensor, layer: int) -> None:
     if _transport is None:
-        raise RuntimeError("crosspool ffn_shim called in a process with no FFN pool attachment")
+        raise FfnCallRejected(f"crosspool ffn_shim called for layer {layer} in a process with no FFN pool attachment")
     _transport.call(layer, hidden, out)
 
 

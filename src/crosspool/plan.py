@@ -4,17 +4,14 @@ from __future__ import annotations
 
 import hashlib
 import secrets
-from dataclasses import dataclass
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
-from crosspool.agents.ffn.dense import ActivationMath
-from crosspool.config import ConfigError, Deployment
-from crosspool.integrations import launcher, serves
+from crosspool.config import Deployment
 from crosspool.ipc import SHM_PREFIX, bind_port
-from crosspool.models.spec import ModelFfnSpec, ModelSpecError, load_ffn_spec
-from crosspool.placement import ModelLayers, PlacementError, place_layers
+from crosspool.models.spec import ActivationMath, ModelFfnSpec
+from crosspool.transport.mailbox import RankLayout
 
 
 class _Frozen(BaseModel):
@@ -109,56 +106,33 @@ class Plan(_Frozen):
         """(model, rank) of every engine rank that attaches to the FFN pool."""
         return [(m.id, rank) for m in self.models for rank in range(m.ranks)]
 
-
-def resolve_specs(deployment: Deployment, source: str) -> dict[str, ModelFfnSpec]:
-    specs, problems = {}, []
-    for i, m in enumerate(deployment.model):
-        try:
-            specs[m.id] = load_ffn_spec(m.path)
-        except ModelSpecError as e:
-            problems.append(f"model[{i}].path: {e} (got '{m.path}')")
-            continue
-        if not serves(m.engine, specs[m.id].architecture):
-            problems.append(
-                f"model[{i}].engine: {specs[m.id].architecture} is not served through {m.engine} with CrossPool "
-                f"(supported: {', '.join(launcher(m.engine).ARCHITECTURES)})"
-            )
-    if problems:
-        raise ConfigError(source, problems)
-    return specs
-
-
-def place(deployment: Deployment, specs: dict[str, ModelFfnSpec], source: str) -> dict[str, list[list[str]]]:
-    """Each model's per-layer execution group, within every agent's memory budget (placement.py)."""
-    wanted = []
-    problems = []
-    for i, m in enumerate(deployment.model):
-        allowed = deployment.ffn_agents_of(m)
-        smallest = min(layer.intermediate for layer in specs[m.id].layers)
-        if m.ffn_tp > len(allowed):
-            problems.append(f"model[{i}].ffn_tp: {m.ffn_tp} shards need as many FfnAgents, {len(allowed)} allowed")
-        elif m.ffn_tp > smallest:
-            problems.append(f"model[{i}].ffn_tp: more shards than intermediate rows ({smallest}) (got {m.ffn_tp})")
-        wanted.append(
-            ModelLayers(m.id, [layer.weight_bytes(m.dtype) for layer in specs[m.id].layers], allowed, m.ffn_tp)
+    def rank_layout(self, model_id: str, rank: int) -> RankLayout:
+        """What Instance rank `rank` (dp_rank * attention_tp + tp_rank) of `model_id` attaches
+        to: its DP rank's mailbox and the FfnAgents of its layers."""
+        model = self.model(model_id)
+        assert 0 <= rank < model.ranks, (rank, model.ranks)
+        agents = sorted({a for group in model.layer_agents for a in group})
+        return RankLayout(
+            model=model_id,
+            mailbox=self.mailboxes_of(model_id)[rank // model.attention_tp].name,
+            layer_agents=model.layer_agents,
+            inboxes={a: self.inbox_name(a) for a in agents},
+            timeout_s=self.ffn_timeout_s,
+            tp_rank=rank % model.attention_tp,
+            tp=model.attention_tp,
         )
-    if problems:
-        raise ConfigError(source, problems)
-    budgets = {a.id: int(a.memory_gib * 2**30) for a in deployment.ffn_agent}
-    try:
-        return place_layers(wanted, budgets)
-    except PlacementError as e:
-        raise ConfigError(source, [f"ffn_agent: {e}"]) from None
 
 
 def build_plan(
     deployment: Deployment,
     specs: dict[str, ModelFfnSpec],
     placement: dict[str, list[list[str]]],
+    activation_math: dict[str, ActivationMath],
     *,
     generation: int = 1,
 ) -> Plan:
-    """The immutable plan of one generation; each generation gets fresh segment names."""
+    """The immutable plan of one generation; each generation gets fresh segment names.
+    `placement` and `activation_math` are per model id (from `crosspool.resolve`)."""
     token = secrets.token_hex(4)
     prefix = f"{SHM_PREFIX}{token}-"
     models: list[ModelPlan] = []
@@ -177,7 +151,7 @@ def build_plan(
                 atn_agent=atn,
                 layer_agents=placement[m.id],
                 url=f"http://{deployment.host}:{bind_port(deployment.host)}",
-                activation_math=launcher(m.engine).activation_math(m),
+                activation_math=activation_math[m.id],
                 attention_tp=m.attention_tp,
                 attention_dp=m.attention_dp,
             )
@@ -230,33 +204,3 @@ def build_plan(
         ffn_agents=agents,
         mailboxes=mailboxes,
     )
-
-
-@dataclass(frozen=True)
-class Resolved:
-    """A deployment checked against everything that must hold before any process starts."""
-
-    deployment: Deployment
-    specs: dict[str, ModelFfnSpec]
-    placement: dict[str, list[list[str]]]
-
-    def plan(self, generation: int = 1) -> Plan:
-        return build_plan(self.deployment, self.specs, self.placement, generation=generation)
-
-
-def resolve(deployment: Deployment, source: str = "<deployment>") -> Resolved:
-    """Engine options, model specs, FFN placement within memory budgets; raises ConfigError
-    listing every problem found."""
-    problems = []
-    for i, m in enumerate(deployment.model):
-        problems += [f"model[{i}].{p}" for p in launcher(m.engine).model_problems(m)]
-    if problems:
-        raise ConfigError(source, problems)
-    specs = resolve_specs(deployment, source)
-    return Resolved(deployment, specs, place(deployment, specs, source))
-
-
-def resolve_file(path: Path) -> Resolved:
-    from crosspool.config import load_deployment
-
-    return resolve(load_deployment(path), str(path))

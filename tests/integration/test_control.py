@@ -17,11 +17,12 @@ from schemathesis.specs.openapi.checks import response_schema_conformance, statu
 from crosspool.config import parse_deployment
 from crosspool.daemon.control import ControlState, create_control_app
 from crosspool.ipc import bind_port
-from crosspool.plan import resolve
+from crosspool.resolve import resolve
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def control(tiny_models):
+    """A fresh control API per test (its registry starts empty), on a real loopback port."""
     d = parse_deployment(f'''
 [[model]]
 id = "q"

@@ -1,5 +1,5 @@
 """The FFN pool without an engine: real FfnAgent/AtnAgent processes, real shared memory; the test
-process plays the Instance rank."""
+process plays the Instance ranks. Tests that kill or stop a member get a pool of their own."""
 
 from __future__ import annotations
 
@@ -11,201 +11,212 @@ import time
 import pytest
 import torch
 
+from conftest import assert_nothing_left, crosspool_shm, frozen
 from crosspool.agents.ffn.weights import load_layers
 from crosspool.config import parse_deployment
 from crosspool.daemon.daemon import running_pool
 from crosspool.daemon.generation import Generation
 from crosspool.integrations import kernels
 from crosspool.models.spec import load_ffn_spec
-from crosspool.plan import resolve
-from crosspool.transport.mailbox import W_REQ_SEQ, RankTransport
+from crosspool.resolve import resolve
+from crosspool.transport.errors import FfnCallRejected, FfnFenced, FfnPeerExited, FfnTimeout
+from crosspool.transport.mailbox import W_REQ_SEQ, RankTransport, resp_word
+
+HIDDEN = 128  # the tiny checkpoints'
+
+
+def _model(model_id: str, path: object, **extra: object) -> str:
+    return f'[[model]]\nid = "{model_id}"\npath = "{path}"\nengine = "vllm"\n' + "".join(
+        f"{k} = {v!r}\n" for k, v in extra.items()
+    )
+
+
+@pytest.fixture(scope="module")
+def shared(tiny_models):
+    """One pool for the tests that leave it working: three FfnAgents; q pinned to ffn0, p (the
+    probe's) to ffn2, spread's layers placed over the agents, q2 / q3 at FFN TP 2 / 3 (256
+    intermediate rows: 86/85/85 for three), tp at attention TP 2."""
+    shm_before = crosspool_shm()
+    path = tiny_models["qwen3"]
+    d = parse_deployment(
+        "[limits]\nmax_batched_tokens = 256\nffn_timeout_s = 2\n"
+        + "".join(f'[[ffn_agent]]\nid = "ffn{i}"\n' for i in range(3))
+        + _model("q", path, ffn_agent="ffn0")
+        + _model("p", path, ffn_agent="ffn2")
+        + _model("spread", path)
+        + _model("q2", path, ffn_tp=2)
+        + _model("q3", path, ffn_tp=3)
+        + _model("tp", path, attention_tp=2)
+    )
+    with running_pool(resolve(d)) as gen:
+        yield gen
+    assert_nothing_left(shm_before, 20)
 
 
 @pytest.fixture
-def pool(tiny_models, no_leftovers):
-    d = parse_deployment(f'''
-[limits]
-max_batched_tokens = 256
-ffn_timeout_s = 2
-[[model]]
-id = "q"
-path = "{tiny_models["qwen3"]}"
-engine = "vllm"
-''')
+def lone(tiny_models, no_leftovers):
+    """A pool of one FfnAgent for a test that kills or stops one of its members."""
+    d = parse_deployment("[limits]\nmax_batched_tokens = 256\nffn_timeout_s = 2\n" + _model("q", tiny_models["qwen3"]))
     with running_pool(resolve(d)) as gen:
-        yield (
-            gen,
-            RankTransport.attach(gen.plan, "q", 0),
-            load_layers(load_ffn_spec(tiny_models["qwen3"]), "bfloat16", "fp32", kernels("vllm")),
-        )
+        yield gen, RankTransport(gen.plan.rank_layout("q", 0))
 
 
-def _member(gen: Generation, role: str):
-    return next(m for m in gen.sup.members if m.name.startswith(role))
+@pytest.fixture(scope="module")
+def reference(tiny_models):
+    """Both tiny Qwen3 layers computed in this process with vLLM's kernels (compile-mode activation)."""
+    return load_layers(load_ffn_spec(tiny_models["qwen3"]), "bfloat16", "fp32", kernels("vllm"))
 
 
-def test_layer_calls_match_in_process_ffn(pool):
-    _, rank, reference = pool
+def _member(gen: Generation, name: str) -> int:
+    return next(m for m in gen.sup.members if m.name == name).proc.pid
+
+
+def _rows(n: int) -> torch.Tensor:
+    return torch.randn(n, HIDDEN, dtype=torch.bfloat16)
+
+
+def test_layer_calls_match_in_process_ffn(shared, reference):
+    rank = RankTransport(shared.plan.rank_layout("q", 0))
     torch.manual_seed(0)
     for rows in (1, 3, 64, 256):
         for layer in (0, 1):
-            x = torch.randn(rows, 128, dtype=torch.bfloat16)
+            x = _rows(rows)
             out = torch.empty_like(x)
             rank.call(layer, x, out)
             assert torch.equal(out, reference[layer](x))
 
 
-def test_oversized_call_is_refused(pool):
-    _, rank, _ = pool
-    x = torch.zeros(257, 128, dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError, match="carries 257 rows; the mailbox holds 256"):
+def test_oversized_or_misshapen_call_is_refused(shared):
+    rank = RankTransport(shared.plan.rank_layout("q", 0))
+    x = torch.zeros(257, HIDDEN, dtype=torch.bfloat16)
+    with pytest.raises(FfnCallRejected, match="carries 257 rows; the mailbox holds 256"):
+        rank.call(0, x, torch.empty_like(x))
+    x = torch.zeros(4, HIDDEN, dtype=torch.float32)
+    with pytest.raises(FfnCallRejected, match=r"expected \[rows, 128\] torch.bfloat16"):
         rank.call(0, x, torch.empty_like(x))
 
 
-def test_dead_ffn_agent_is_named(pool):
-    run, rank, _ = pool
-    os.kill(_member(run, "FfnAgent").proc.pid, signal.SIGKILL)
-    x = torch.zeros(4, 128, dtype=torch.bfloat16)
+def test_layers_spread_over_agents(shared, reference):
+    groups = shared.plan.model("spread").layer_agents
+    assert len({g[0] for g in groups}) == 2, groups  # the placement spread the two layers
+    rank = RankTransport(shared.plan.rank_layout("spread", 0))
+    x = _rows(8)
+    for layer in (0, 1):
+        out = torch.empty_like(x)
+        rank.call(layer, x, out)
+        assert torch.equal(out, reference[layer](x))
+
+
+def test_ffn_tensor_parallel_2_and_3(shared, reference, tiny_models):
+    """The result is the shards' outputs added in shard order in fp32, cast once: bit-equal to
+    that sum in process and close to the unsplit FFN."""
+    spec, engine = load_ffn_spec(tiny_models["qwen3"]), kernels("vllm")
+    for k in (2, 3):
+        assert all(len(group) == k for group in shared.plan.model(f"q{k}").layer_agents)
+        rank = RankTransport(shared.plan.rank_layout(f"q{k}", 0))
+        shards = [load_layers(spec, "bfloat16", "fp32", engine, None, dict.fromkeys((0, 1), (i, k))) for i in range(k)]
+        torch.manual_seed(k)
+        for rows in (1, 33, 256):
+            x = _rows(rows)
+            for layer in (0, 1):
+                out = torch.empty_like(x)
+                rank.call(layer, x, out)
+                expected = shards[0][layer](x).float()
+                for shard in shards[1:]:
+                    expected += shard[layer](x)
+                assert torch.equal(out, expected.to(torch.bfloat16))
+                ref = reference[layer](x).float()
+                assert ((out.float() - ref).norm() / ref.norm()).item() < 0.01
+
+
+def test_attention_tp_ranks_share_one_call_per_layer(shared, reference):
+    """attention_tp = 2: rank 0 publishes, rank 1 reads the same reply; the agent computes each
+    call once; rank 0 does not publish its next call before rank 1 has read the previous one."""
+    assert [mb.tp for mb in shared.plan.mailboxes_of("tp")] == [2]
+    ranks = [RankTransport(shared.plan.rank_layout("tp", r)) for r in (0, 1)]
+    first = ranks[0].seq
+    torch.manual_seed(0)
+    inputs = [_rows(rows) for rows in (1, 7, 64, 256) for _ in range(25)]
+    outs: dict[int, list[torch.Tensor]] = {0: [], 1: []}
+
+    def run(r: int) -> None:
+        for i, x in enumerate(inputs):
+            if r == 1 and i % 10 == 0:
+                time.sleep(0.01)  # a slow follower: the leader must wait for it
+            out = torch.empty_like(x)
+            ranks[r].call(i % 2, x, out)
+            outs[r].append(out)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert all(torch.equal(a, b) for a, b in zip(outs[0], outs[1], strict=True))
+    assert all(torch.equal(o, reference[i % 2](x)) for i, (x, o) in enumerate(zip(inputs, outs[0], strict=True)))
+    assert ranks[0].mailbox.words[W_REQ_SEQ] - first == ranks[1].seq - first == len(inputs)  # one publication each
+
+
+def test_probe_is_answered_by_the_agent_without_computing(shared):
+    rank = RankTransport(shared.plan.rank_layout("p", 0))
+    first = rank.mailbox.words[W_REQ_SEQ]
+    for _ in range(100):
+        rank.probe()
+    x = _rows(2)
+    for _ in range(3):
+        rank.call(0, x, torch.empty_like(x))
+    assert rank.mailbox.words[W_REQ_SEQ] == rank.mailbox.words[resp_word(0)] == first + 103
+    agent = ("FfnAgent", "ffn2", 0)
+    deadline = time.monotonic() + 10  # the agent's executed count arrives with its next heartbeat
+    while time.monotonic() < deadline:
+        metrics = shared.state.registry.members[agent].metrics
+        if metrics is not None and metrics.executed.get("p", 0) >= 3:
+            break
+        time.sleep(0.1)
+    assert metrics is not None and metrics.executed.get("p") == 3  # the probes computed nothing
+    with frozen(_member(shared, "FfnAgent 'ffn2'")), pytest.raises(FfnTimeout):
+        rank.probe()  # nobody else answers for the agent
+
+
+def test_dead_ffn_agent_is_named(lone):
+    gen, rank = lone
+    os.kill(_member(gen, "FfnAgent 'ffn0'"), signal.SIGKILL)
+    x = torch.zeros(4, HIDDEN, dtype=torch.bfloat16)
     start = time.monotonic()
-    with pytest.raises(RuntimeError, match=r"FFN pool failed: FfnAgent 'ffn0' \(pid \d+\) exited during layer 1 of q"):
+    with pytest.raises(FfnPeerExited, match=r"FFN pool failed: FfnAgent 'ffn0' \(pid \d+\) exited during layer 1 of q"):
         rank.call(1, x, torch.empty_like(x))
     assert time.monotonic() - start < 2
 
 
-def test_silent_ffn_agent_times_out(pool):
-    run, rank, _ = pool
-    pid = _member(run, "FfnAgent").proc.pid
-    os.kill(pid, signal.SIGSTOP)
-    try:
-        x = torch.zeros(4, 128, dtype=torch.bfloat16)
+def test_stopped_ffn_agent_times_out_and_a_fence_fails_a_waiting_call(lone):
+    gen, rank = lone
+    x = torch.zeros(4, HIDDEN, dtype=torch.bfloat16)
+    with frozen(_member(gen, "FfnAgent 'ffn0'")):
         start = time.monotonic()
-        with pytest.raises(RuntimeError, match="FfnAgent 'ffn0' did not answer within 2 s during layer 0 "):
+        with pytest.raises(FfnTimeout, match="FfnAgent 'ffn0' did not answer within 2 s during layer 0 of q"):
             rank.call(0, x, torch.empty_like(x))
         assert time.monotonic() - start < 5
-    finally:
-        os.kill(pid, signal.SIGCONT)
-
-
-def test_dead_atn_agent_fences_the_transport(pool):
-    run, rank, _ = pool
-    os.kill(_member(run, "AtnAgent").proc.pid, signal.SIGKILL)
-    assert run.supervise() is not None  # returns at the first member failure, having fenced every mailbox
-    x = torch.zeros(4, 128, dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError, match="FFN pool failed: AtnAgent 'atn0' killed by SIGKILL"):
-        rank.call(0, x, torch.empty_like(x))
-
-
-def test_fence_fails_a_waiting_call(pool):
-    run, rank, _ = pool
-    pid = _member(run, "FfnAgent").proc.pid
-    os.kill(pid, signal.SIGSTOP)
-    try:
-        errors: list[str] = []
+        errors: list[Exception] = []
 
         def call() -> None:
-            x = torch.zeros(4, 128, dtype=torch.bfloat16)
             try:
-                rank.call(0, x, torch.empty_like(x))
-            except RuntimeError as e:
-                errors.append(str(e))
+                rank.call(1, x, torch.empty_like(x))
+            except FfnFenced as e:
+                errors.append(e)
 
         t = threading.Thread(target=call)
         t.start()
-        time.sleep(0.3)
-        run.state.fail("test failure", "test")
-        run.fence("test failure")
+        time.sleep(0.3)  # the call waits (the agent cannot answer)
+        gen.state.fail("test failure", "test")
+        gen.fence("test failure")
         t.join(timeout=1)
-        assert not t.is_alive() and errors == ["FFN pool failed: test failure during layer 0 of q"]
-    finally:
-        os.kill(pid, signal.SIGCONT)
+        assert not t.is_alive() and [str(e) for e in errors] == ["FFN pool failed: test failure during layer 1 of q"]
 
 
-def test_probe_round_trip(pool):
-    _, rank, _ = pool
-    for _ in range(100):
-        rank.probe()
-
-
-def test_layers_spread_over_two_agents(tiny_models, no_leftovers):
-    d = parse_deployment(f'''
-[[ffn_agent]]
-id = "ffn0"
-[[ffn_agent]]
-id = "ffn1"
-[[model]]
-id = "q"
-path = "{tiny_models["qwen3"]}"
-engine = "vllm"
-''')
-    reference = load_layers(load_ffn_spec(tiny_models["qwen3"]), "bfloat16", "fp32", kernels("vllm"))
-    with running_pool(resolve(d)) as gen:
-        assert gen.plan.model("q").layer_agents == [["ffn0"], ["ffn1"]]
-        rank = RankTransport.attach(gen.plan, "q", 0)
-        x = torch.randn(8, 128, dtype=torch.bfloat16)
-        for layer in (0, 1):
-            out = torch.empty_like(x)
-            rank.call(layer, x, out)
-            assert torch.equal(out, reference[layer](x))
-
-
-def test_ffn_tensor_parallel_2_and_3(tiny_models, no_leftovers):
-    """q2 split over 2 agents, q3 over 3 (256 intermediate rows: 86/85/85). The result is the
-    shards' outputs added in shard order in fp32, cast once: bit-equal to that sum in process
-    and close to the unsplit FFN."""
-    path = tiny_models["qwen3"]
-    d = parse_deployment(
-        "".join(f'[[ffn_agent]]\nid = "ffn{i}"\n' for i in range(3))
-        + "".join(f'[[model]]\nid = "q{k}"\npath = "{path}"\nengine = "vllm"\nffn_tp = {k}\n' for k in (2, 3))
-    )
-    spec, engine = load_ffn_spec(path), kernels("vllm")
-    whole = load_layers(spec, "bfloat16", "fp32", engine)
-    with running_pool(resolve(d)) as gen:
-        for k in (2, 3):
-            assert all(len(group) == k for group in gen.plan.model(f"q{k}").layer_agents)
-            rank = RankTransport.attach(gen.plan, f"q{k}", 0)
-            shards = [
-                load_layers(spec, "bfloat16", "fp32", engine, None, dict.fromkeys((0, 1), (i, k))) for i in range(k)
-            ]
-            torch.manual_seed(k)
-            for rows in (1, 33, 256):
-                x = torch.randn(rows, 128, dtype=torch.bfloat16)
-                for layer in (0, 1):
-                    out = torch.empty_like(x)
-                    rank.call(layer, x, out)
-                    expected = shards[0][layer](x).float()
-                    for shard in shards[1:]:
-                        expected += shard[layer](x)
-                    assert torch.equal(out, expected.to(torch.bfloat16))
-                    ref = whole[layer](x).float()
-                    assert ((out.float() - ref).norm() / ref.norm()).item() < 0.01
-
-
-def test_attention_tp_ranks_share_one_call_per_layer(tiny_models, no_leftovers):
-    """attention_tp = 2: rank 0 publishes, rank 1 reads the same reply; the agent computes each
-    call once; rank 0 does not publish its next call before rank 1 has read the previous one."""
-    path = tiny_models["qwen3"]
-    d = parse_deployment(f'[[model]]\nid = "q"\npath = "{path}"\nengine = "vllm"\nattention_tp = 2\n')
-    reference = load_layers(load_ffn_spec(path), "bfloat16", "fp32", kernels("vllm"))
-    with running_pool(resolve(d)) as gen:
-        assert [mb.tp for mb in gen.plan.mailboxes] == [2]
-        ranks = [RankTransport.attach(gen.plan, "q", r) for r in (0, 1)]
-        torch.manual_seed(0)
-        inputs = [torch.randn(rows, 128, dtype=torch.bfloat16) for rows in (1, 7, 64, 256) for _ in range(25)]
-        outs: dict[int, list[torch.Tensor]] = {0: [], 1: []}
-
-        def run(r: int) -> None:
-            for i, x in enumerate(inputs):
-                if r == 1 and i % 10 == 0:
-                    time.sleep(0.01)  # a slow follower: the leader must wait for it
-                out = torch.empty_like(x)
-                ranks[r].call(i % 2, x, out)
-                outs[r].append(out)
-
-        threads = [threading.Thread(target=run, args=(r,)) for r in (0, 1)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=120)
-        assert all(torch.equal(a, b) for a, b in zip(outs[0], outs[1], strict=True))
-        assert all(torch.equal(o, reference[i % 2](x)) for i, (x, o) in enumerate(zip(inputs, outs[0], strict=True)))
-        assert ranks[0].mailbox.words[W_REQ_SEQ] == ranks[1].seq == len(inputs)  # one publication per call
+def test_dead_atn_agent_fences_the_transport(lone):
+    gen, rank = lone
+    os.kill(_member(gen, "AtnAgent 'atn0'"), signal.SIGKILL)
+    assert gen.supervise() is not None  # returns at the first member failure, having fenced every mailbox
+    x = torch.zeros(4, HIDDEN, dtype=torch.bfloat16)
+    with pytest.raises(FfnFenced, match="FFN pool failed: AtnAgent 'atn0' killed by SIGKILL"):
+        rank.call(0, x, torch.empty_like(x))

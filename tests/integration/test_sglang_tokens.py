@@ -15,7 +15,7 @@ from crosspool.config import parse_deployment
 from crosspool.daemon.daemon import running_pool
 from crosspool.integrations.offline import generate_in_child
 from crosspool.models.spec import load_ffn_spec
-from crosspool.plan import resolve
+from crosspool.resolve import resolve
 from crosspool.transport.mailbox import W_REQ_SEQ, Mailbox
 
 pytestmark = pytest.mark.engine

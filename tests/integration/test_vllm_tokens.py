@@ -11,7 +11,7 @@ import pytest
 from crosspool.config import parse_deployment
 from crosspool.daemon.daemon import running_pool
 from crosspool.integrations.offline import generate_in_child
-from crosspool.plan import resolve
+from crosspool.resolve import resolve
 
 pytestmark = pytest.mark.engine
 MAX_BATCHED = 512

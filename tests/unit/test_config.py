@@ -117,7 +117,7 @@ def test_cpu_binding_of_engine_workers():
 
 def test_sglang_command_and_refusals(tiny_models):
     from crosspool.integrations import launcher
-    from crosspool.plan import resolve
+    from crosspool.resolve import resolve
 
     d = parse_deployment(_toml(tiny_models["qwen3"]).replace('engine = "vllm"', 'engine = "sglang"\nattention_tp = 2'))
     sglang = launcher("sglang")

@@ -63,7 +63,7 @@ def test_shard_ranges_cover_uneven_sizes():
 
 def test_plan_accounts_each_agent_its_share_of_the_weights(tiny_models):
     from crosspool.config import parse_deployment
-    from crosspool.plan import resolve
+    from crosspool.resolve import resolve
 
     path = tiny_models["qwen3"]
     agents = "".join(f'[[ffn_agent]]\nid = "f{i}"\nmemory_gib = 1\n' for i in range(3))

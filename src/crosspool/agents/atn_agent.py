@@ -9,7 +9,7 @@ per layer call on a 2-core host). Failures reach waiting ranks through the mailb
 from __future__ import annotations
 
 from crosspool.agents.process import AgentProcess
-from crosspool.ipc import unlink_segments
+from crosspool.ipc import supervisor_gone, unlink_segments
 from crosspool.transport.mailbox import Mailbox
 
 
@@ -26,7 +26,7 @@ class AtnAgent:
         finally:
             for mb in self.mailboxes:
                 mb.seg.unlink()
-            if self.proc.supervisor_gone():
+            if supervisor_gone():
                 # Nobody else will clean up after members that died with the daemon.
                 unlink_segments(self.proc.plan.shm_prefix)
 

@@ -11,8 +11,8 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from crosspool.daemon.client import ControlClient
-from crosspool.ipc import ENV_SUPERVISOR_PID, die_with_supervisor
+from crosspool.ipc import die_with_supervisor
+from crosspool.member import ControlClient
 from crosspool.metrics import MemberMetrics
 from crosspool.plan import Plan
 
@@ -49,11 +49,6 @@ class AgentProcess:
         self.control.report_failure(f"{self.role} {self.id!r}: {message}")
         self.stop.set()
         os._exit(1)
-
-    def supervisor_gone(self) -> bool:
-        """The daemon that started this process is gone (this process was re-parented)."""
-        supervisor = os.environ.get(ENV_SUPERVISOR_PID)
-        return supervisor is not None and os.getppid() != int(supervisor)
 
     def wait_for_stop(self) -> None:
         while not self.stop.wait(0.5):

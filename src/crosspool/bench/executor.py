@@ -31,9 +31,9 @@ from crosspool.bench.overhead import timed_us
 from crosspool.config import parse_deployment
 from crosspool.daemon.daemon import running_pool
 from crosspool.integrations import kernels
-from crosspool.models.spec import load_ffn_spec
-from crosspool.plan import resolve
-from crosspool.transport.mailbox import DTYPES, RankTransport
+from crosspool.models.spec import DTYPES, load_ffn_spec
+from crosspool.resolve import resolve
+from crosspool.transport.mailbox import RankTransport
 
 ROWS = (1, 16, 256, 2048)
 TP_DEGREES = (1, 2)
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     threads = torch.get_num_threads()
     with running_pool(resolved) as gen:
-        ranks = {k: RankTransport.attach(gen.plan, f"tp{k}", 0) for k in TP_DEGREES}
+        ranks = {k: RankTransport(gen.plan.rank_layout(f"tp{k}", 0)) for k in TP_DEGREES}
         for repeat in range(args.repeats):
             print(f"repeat {repeat + 1}/{args.repeats} ...", file=sys.stderr, flush=True)
             for rows in ROWS:

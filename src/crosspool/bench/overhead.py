@@ -29,7 +29,8 @@ from crosspool.daemon.daemon import running_pool
 from crosspool.integrations import kernels
 from crosspool.integrations.offline import generate_in_child
 from crosspool.models.spec import load_ffn_spec
-from crosspool.plan import Plan, resolve
+from crosspool.plan import Plan
+from crosspool.resolve import resolve
 from crosspool.transport.mailbox import RankTransport
 
 
@@ -66,7 +67,7 @@ def round_trips(plan: Plan, calls: int) -> dict:
     compute), a real one-row layer call, and the same layer computed in this process with the
     FfnAgent's thread count."""
     model = plan.models[0]
-    rank = RankTransport.attach(plan, model.id, 0)
+    rank = RankTransport(plan.rank_layout(model.id, 0))
     spec = load_ffn_spec(model.path)
     layer = load_layers(spec, model.dtype, model.activation_math, kernels(model.engine), [0])[0]
     x = torch.randn(1, model.hidden).to(getattr(torch, model.dtype))

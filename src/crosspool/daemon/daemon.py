@@ -20,7 +20,7 @@ from crosspool.daemon.control import ControlState, create_control_app
 from crosspool.daemon.generation import Generation, StartupError
 from crosspool.daemon.supervisor import log
 from crosspool.ipc import bind_port
-from crosspool.plan import Resolved
+from crosspool.resolve import Resolved
 
 
 class Daemon:

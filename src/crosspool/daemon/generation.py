@@ -27,6 +27,7 @@ from crosspool.config import Deployment
 from crosspool.daemon.control import ControlState
 from crosspool.daemon.supervisor import Supervisor, log
 from crosspool.integrations import launcher
+from crosspool.ipc import SegmentMissing
 from crosspool.plan import Plan
 from crosspool.transport.mailbox import Mailbox
 
@@ -83,17 +84,20 @@ class Generation:
                     return
                 self.state.changed.wait(WATCH_S)
 
-    def _start_agent(self, role: str, module: str, agent_id: str, stop_order: int, deadline: float) -> None:
+    def _start_agent(self, role: str, module: str, agent_id: str, stop_order: int) -> None:
         argv = [sys.executable, "-m", f"crosspool.agents.{module}", "--plan", str(self.plan_path), "--id", agent_id]
         self.sup.start(f"{role} '{agent_id}'", argv, _agent_env(), stop_order=stop_order)
-        self._wait_registered((role, agent_id, 0), f"{role} '{agent_id}'", deadline)
 
     def start_pool(self, deadline: float) -> None:
-        """AtnAgents (mailboxes), then FfnAgents (weights, inbox): after this the pool executes calls."""
+        """AtnAgents (mailboxes), then FfnAgents (weights, inbox): after this the pool executes calls.
+        FfnAgents start together: each spends most of its start importing its engine's kernels."""
         for atn in self.plan.atn_agents:
-            self._start_agent("AtnAgent", "atn_agent", atn, STOP_ATN, deadline)
+            self._start_agent("AtnAgent", "atn_agent", atn, STOP_ATN)
+            self._wait_registered(("AtnAgent", atn, 0), f"AtnAgent '{atn}'", deadline)
         for agent in self.plan.ffn_agents:
-            self._start_agent("FfnAgent", "ffn_agent", agent.id, STOP_FFN, deadline)
+            self._start_agent("FfnAgent", "ffn_agent", agent.id, STOP_FFN)
+        for agent in self.plan.ffn_agents:
+            self._wait_registered(("FfnAgent", agent.id, 0), f"FfnAgent '{agent.id}'", deadline)
 
     def start_engines(self, deadline: float) -> None:
         d = self.deployment
@@ -158,11 +162,11 @@ class Generation:
             self.state.fail(f"{dead.name} {dead.exit_text()}{cause}", "exit")
         else:
             with self.state.lock:
-                reason = self.state.registry.first_dead(
+                death = self.state.registry.first_dead(
                     self.deployment.limits.heartbeat_timeout_s, self.state.models_ready
                 )
-            if reason is not None:
-                self.state.fail(reason, "heartbeat" if "heartbeat" in reason else "exit")
+            if death is not None:
+                self.state.fail(death.reason, death.kind)
         if self.state.failure is not None:
             self.fence(self.state.failure)
         return self.state.failure
@@ -180,7 +184,7 @@ class Generation:
         for mplan in self.plan.mailboxes:
             try:
                 Mailbox.open(mplan.name).fence(f"FFN pool failed: {reason}")
-            except RuntimeError:
+            except SegmentMissing:
                 continue  # never created: nobody can be waiting on it
 
     def drain(self, grace_s: float) -> None:

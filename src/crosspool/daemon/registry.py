@@ -49,6 +49,14 @@ class FailureReport(MemberRef):
     reason: str = Field(max_length=2000)
 
 
+@dataclass(frozen=True)
+class Death:
+    """A member lost: how it was noticed (the failure kind counted in metrics) and the reason."""
+
+    kind: Literal["exit", "heartbeat"]
+    reason: str
+
+
 class Refused(Exception):
     """Registration or heartbeat refused; the text is the reason returned with HTTP 409."""
 
@@ -134,18 +142,19 @@ class Registry:
     def missing(self) -> list[str]:
         return [slot_name(*s) for s in self.expected if s not in self.members]
 
-    def first_dead(self, heartbeat_timeout_s: float, serving: set[str]) -> str | None:
-        """A registered member that exited or went silent, as a failure reason. A rank's silence
-        counts once its Instance serves (`serving`: model ids): while an engine starts, compiling
-        ranks can hold the GIL past the timeout (seen with 4 vLLM DP workers compiling on 2 cores),
-        and the startup deadline bounds that phase."""
+    def first_dead(self, heartbeat_timeout_s: float, serving: set[str]) -> Death | None:
+        """A registered member that exited or went silent. A rank's silence counts once its
+        Instance serves (`serving`: model ids): while an engine starts, compiling ranks can hold
+        the GIL past the timeout (seen with 4 vLLM DP workers compiling on 2 cores), and the
+        startup deadline bounds that phase."""
         now = time.monotonic()
         for member in self.members.values():
             if not member.peer.alive():
-                return f"{member.name} (pid {member.pid}) exited"
+                return Death("exit", f"{member.name} (pid {member.pid}) exited")
             role, model, _ = member.slot
             if role == "rank" and model not in serving:
                 continue
             if now - member.last_seen > heartbeat_timeout_s:
-                return f"{member.name} (pid {member.pid}) sent no heartbeat for {now - member.last_seen:.1f} s"
+                silent = now - member.last_seen
+                return Death("heartbeat", f"{member.name} (pid {member.pid}) sent no heartbeat for {silent:.1f} s")
         return None

@@ -18,7 +18,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from crosspool.ipc import ENGINE_LEFTOVERS, ENV_SUPERVISOR_PID, shm_names, unlink_orphans, unlink_segments
+from crosspool import envs
+from crosspool.ipc import ENGINE_LEFTOVERS, shm_names, unlink_orphans, unlink_segments
 
 
 def log(message: str) -> None:
@@ -59,7 +60,7 @@ class Supervisor:
     def start(self, name: str, argv: list[str], env: dict[str, str], *, stop_order: int) -> Child:
         proc = subprocess.Popen(
             argv,
-            env={**env, ENV_SUPERVISOR_PID: str(os.getpid())},
+            env={**env, envs.SUPERVISOR_PID: str(os.getpid())},
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
 from types import FrameType
@@ -26,8 +25,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from crosspool.daemon.client import ControlClient
-from crosspool.ipc import ENV_SUPERVISOR_PID, die_with_supervisor
+from crosspool.ipc import die_with_supervisor, supervisor_gone, supervisor_pid
+from crosspool.member import ControlClient
 from crosspool.metrics import MemberMetrics
 from crosspool.plan import Plan
 
@@ -78,9 +77,8 @@ class Front:
     def stop_reason(self) -> str:
         if self.control.failure is not None:
             return self.control.failure
-        supervisor = os.environ.get(ENV_SUPERVISOR_PID)
-        if supervisor is not None and os.getppid() != int(supervisor):
-            return f"the CrossPool daemon (pid {supervisor}) exited"
+        if supervisor_gone():
+            return f"the CrossPool daemon (pid {supervisor_pid()}) exited"
         return "the deployment is shutting down"
 
     def metrics(self) -> MemberMetrics:

@@ -3,28 +3,66 @@
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, cast
+
+from crosspool.config import ModelConfig
+from crosspool.models.spec import ActivationMath
 
 ENGINES = ("vllm", "sglang")
 
 
-def launcher(engine: str) -> ModuleType:
+class EngineLauncher(Protocol):
+    """What the core knows of an engine without importing it: `integrations.<engine>.launch`."""
+
+    ENGINE: str
+    VERSION: str
+    ARCHITECTURES: tuple[str, ...] | None
+    """The architectures CrossPool serves through this engine; None: every family in crosspool.models."""
+
+    def model_problems(self, model: ModelConfig, /) -> list[str]:
+        """What of this model's configuration the engine cannot serve with CrossPool, a line each
+        (`field: reason (got value)`), checked before any process starts."""
+        ...
+
+    def activation_math(self, model: ModelConfig, /) -> ActivationMath:
+        """How the engine's execution mode rounds the FFN activation (the pool must do the same)."""
+        ...
+
+    def engine_env(self, model: ModelConfig, plan_path: Path | None, /) -> dict[str, str]:
+        """The engine process's environment; `plan_path` None runs the engine natively."""
+        ...
+
+    def server_command(self, model: ModelConfig, max_batched_tokens: int, host: str, port: int, /) -> list[str]:
+        """argv of the engine's OpenAI-compatible server for this model."""
+        ...
+
+
+if TYPE_CHECKING:  # mypy checks that each launch module is an EngineLauncher
+    from crosspool.integrations.sglang import launch as _sglang_launch
+    from crosspool.integrations.vllm import launch as _vllm_launch
+
+    _LAUNCHERS: tuple[EngineLauncher, ...] = (_vllm_launch, _sglang_launch)
+
+
+def launcher(engine: str) -> EngineLauncher:
     """The engine's launch module (builds its server command; imports no engine itself)."""
     assert engine in ENGINES, engine
-    return importlib.import_module(f"crosspool.integrations.{engine}.launch")
+    return cast(EngineLauncher, importlib.import_module(f"crosspool.integrations.{engine}.launch"))
 
 
 def kernels(engine: str) -> ModuleType:
-    """The engine's kernel module: `linear(weight)` computes as the engine's own layers do.
-    Importing the engine happens when a kernel is first built, in the FfnAgent only."""
+    """The engine's kernel module, an `agents.ffn.weights.EngineKernels`: `linear(weight)` and
+    `moe(...)` compute as the engine's own layers do. The engine is imported when a kernel is
+    first built, in the FfnAgent (and qualify) only."""
     assert engine in ENGINES, engine
     return importlib.import_module(f"crosspool.integrations.{engine}.kernels")
 
 
 def serves(engine: str, architecture: str) -> bool:
     """Whether CrossPool serves this model architecture through `engine`."""
-    architectures = launcher(engine).ARCHITECTURES  # None: every family in crosspool.models
+    architectures = launcher(engine).ARCHITECTURES
     return architectures is None or architecture in architectures
 
 

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from crosspool import ops
-from crosspool.daemon.client import ControlClient
+from crosspool.member import ControlClient
 from crosspool.models.spec import ModelFfnSpec, MoeFfn
 from crosspool.plan import Plan
 from crosspool.transport.mailbox import RankTransport
@@ -41,7 +41,7 @@ class FfnStandIn(nn.Module):
 
 def attach_rank(plan: Plan, model_id: str, rank: int) -> None:
     """This rank process's Transport, registered with the daemon and heartbeating; `ffn_shim` uses it."""
-    transport = RankTransport.attach(plan, model_id, rank)
+    transport = RankTransport(plan.rank_layout(model_id, rank))
     control = ControlClient(plan, "rank", model_id, rank)
     control.register()
     control.start_heartbeats(transport.metrics)

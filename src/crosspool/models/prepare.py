@@ -4,7 +4,6 @@ and tiny random checkpoints of the supported families (fixed seed) for tests."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -13,7 +12,9 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-DEFAULT_CACHE = Path(os.environ.get("CROSSPOOL_CACHE", Path.home() / ".cache" / "crosspool")) / "models"
+from crosspool import envs
+
+DEFAULT_CACHE = envs.cache_root() / "models"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PREPARABLE = ("smollm2-135m",)
 DONE_MARKER = ".crosspool-complete"

@@ -6,10 +6,22 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import Literal
 
+import torch
 from safetensors import safe_open
 
-DTYPE_BYTES = {"bfloat16": 2, "float32": 4}
+DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+"""The model dtypes CrossPool serves, by their deployment-file names."""
+
+ActivationMath = Literal["fp32", "dtype"]
+"""How an engine rounds a gated FFN's activation: `dtype` rounds SiLU and the product to the
+model dtype (eager vLLM, SGLang), `fp32` computes both in fp32 and rounds once (inductor's fusion
+in vLLM's compile mode)."""
+
+
+def dtype_bytes(dtype: str) -> int:
+    return DTYPES[dtype].itemsize
 
 
 class ModelSpecError(ValueError):
@@ -33,7 +45,7 @@ class GatedDenseFfn:
         return (self.gate_key, self.up_key, self.down_key)
 
     def weight_bytes(self, dtype: str) -> int:
-        return 3 * self.hidden * self.intermediate * DTYPE_BYTES[dtype]
+        return 3 * self.hidden * self.intermediate * dtype_bytes(dtype)
 
 
 @dataclass(frozen=True)
@@ -79,7 +91,7 @@ class MoeFfn:
         return extra + tuple(key for d in self.denses for key in d.keys)
 
     def weight_bytes(self, dtype: str) -> int:
-        router = len(self.experts) * self.hidden * DTYPE_BYTES[dtype]
+        router = len(self.experts) * self.hidden * dtype_bytes(dtype)
         shared = self.shared.weight_bytes(dtype) if self.shared else 0
         return router + sum(e.weight_bytes(dtype) for e in self.experts) + shared
 

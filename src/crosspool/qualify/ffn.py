@@ -24,13 +24,15 @@ from typing import Any
 
 import torch
 
+from crosspool import envs
 from crosspool.agents.ffn.moe import RoutedMoeFfn
 from crosspool.agents.ffn.weights import load_layers
 from crosspool.config import parse_deployment
 from crosspool.daemon.daemon import running_pool
 from crosspool.integrations import ENGINES, kernels, serves
 from crosspool.models.spec import ModelFfnSpec, MoeFfn, load_ffn_spec
-from crosspool.plan import resolve
+from crosspool.resolve import resolve
+from crosspool.transport.errors import FfnCallError
 from crosspool.transport.mailbox import RankTransport
 
 ROWS = (1, 32, 4096)
@@ -139,7 +141,7 @@ def qualify(models: dict[str, Path], engines: tuple[str, ...] = ("vllm",)) -> li
             reference = Reference(spec)
             for engine in (e for e in engines if serves(e, spec.architecture)):
                 for k in TP_DEGREES:
-                    rank = RankTransport.attach(gen.plan, f"{engine}-{name}-tp{k}", 0)
+                    rank = RankTransport(gen.plan.rank_layout(f"{engine}-{name}-tp{k}", 0))
                     for layer in checked_layers(spec):
                         for rows in ROWS:
                             x = _input(spec, layer, rows)
@@ -167,7 +169,7 @@ def _structural(rank: RankTransport, spec: ModelFfnSpec, case: str) -> dict[str,
         x = torch.randn(rows, spec.hidden).to(torch.bfloat16)
         try:
             rank.call(rng.randrange(len(spec.layers)), x, torch.empty_like(x))
-        except RuntimeError as e:
+        except FfnCallError as e:
             failures.append(str(e))
             break
     return {"case": case, "pass": not failures, "calls": STRUCTURAL_CALLS, "errors": failures}
@@ -177,7 +179,7 @@ def default_models() -> dict[str, Path]:
     from crosspool.models.prepare import TINY_FAMILIES, make_tiny_checkpoint, prepare_smollm2
     from crosspool.models.spec import ModelSpecError
 
-    cache = Path.home() / ".cache" / "crosspool" / "tiny"
+    cache = envs.cache_root() / "tiny"
     models = {f"tiny-{f}": make_tiny_checkpoint(f, cache / f"tiny-{f}", seed=0) for f in TINY_FAMILIES}
     try:
         models["smollm2-135m"] = prepare_smollm2()

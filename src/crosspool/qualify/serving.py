@@ -35,12 +35,13 @@ from typing import Any
 import httpx
 import torch
 
+from crosspool import envs
 from crosspool.config import parse_deployment
 from crosspool.daemon.daemon import running_pool
 from crosspool.integrations.offline import generate_in_child
-from crosspool.ipc import ENV_SUPERVISOR_PID, bind_port
-from crosspool.plan import resolve
+from crosspool.ipc import bind_port
 from crosspool.qualify.ffn import MAX_NRMSE, MAX_SCALED, STRUCTURAL_CALLS, errors
+from crosspool.resolve import resolve
 from crosspool.transport.mailbox import W_REQ_SEQ, Mailbox
 
 PROMPTS, TOKENS, MAX_BATCHED = 8, 72, 512  # 8 x 72 decode steps x 2 layers > 1,000 layer calls
@@ -159,7 +160,7 @@ def _daemon(text: str) -> Iterator[tuple[str, str]]:
         with log.open("w") as stderr:
             argv = [sys.executable, "-m", "crosspool", "daemon", str(file)]
             # The daemon stops (SIGTERM) if this process dies, even by SIGKILL.
-            env = {**os.environ, ENV_SUPERVISOR_PID: str(os.getpid())}
+            env = {**os.environ, envs.SUPERVISOR_PID: str(os.getpid())}
             proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
         try:
             line = proc.stdout.readline() if proc.stdout else ""
@@ -269,5 +270,5 @@ def qualify_serving(
 def default_model() -> Path:
     from crosspool.models.prepare import make_tiny_checkpoint, prepare_smollm2
 
-    cache = Path(os.environ.get("CROSSPOOL_CACHE", Path.home() / ".cache" / "crosspool")) / "tiny"
+    cache = envs.cache_root() / "tiny"
     return make_tiny_checkpoint("qwen3", cache / "tiny-qwen3-tok", seed=0, tokenizer=prepare_smollm2())

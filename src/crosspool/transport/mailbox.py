@@ -24,16 +24,24 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
 
 import torch
 
 from crosspool.fabric.inbox import Inbox
-from crosspool.ipc import PeerDied, Segment, futex_wake, wait_word_change
+from crosspool.ipc import Segment, futex_wake, wait_word_change
 from crosspool.metrics import LatencyHistogram, MemberMetrics
-from crosspool.plan import Plan
+from crosspool.models.spec import DTYPES
+from crosspool.transport.errors import (
+    FfnAgentFailed,
+    FfnCallRejected,
+    FfnFenced,
+    FfnPeerExited,
+    FfnTimeout,
+    RankDisagreement,
+)
 
 MAGIC = 0xC5055003
-DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 _DTYPE_CODES = {name: code for code, name in enumerate(DTYPES)}
 SEQ_MASK = 0xFFFFFFFF
 
@@ -139,73 +147,62 @@ class Mailbox:
         return self._read_text(FENCE_OFFSET, W_FENCE_LEN) if self.words[W_FENCE] else None
 
 
+@dataclass(frozen=True)
+class RankLayout:
+    """What one Instance rank's Transport needs to know: its mailbox, the execution group of every
+    layer (FfnAgent ids in shard order), each agent's inbox, the call bound and its TP position."""
+
+    model: str
+    mailbox: str
+    layer_agents: list[list[str]]
+    inboxes: dict[str, str]
+    timeout_s: float
+    tp_rank: int = 0
+    tp: int = 1
+    """`tp_rank` 0 publishes the calls of the mailbox's `tp` ranks; the others follow."""
+
+
 class RankTransport:
     """The Instance rank's end of its mailbox: one blocking, bounded call per layer."""
 
-    @classmethod
-    def attach(cls, plan: Plan, model_id: str, rank: int) -> RankTransport:
-        """Attach Instance rank `rank` (dp_rank * attention_tp + tp_rank) of `model_id` to its
-        DP rank's mailbox and the FfnAgents of its layers."""
-        model = plan.model(model_id)
-        assert 0 <= rank < model.ranks, (rank, model.ranks)
-        inboxes = {a: Inbox.open(plan.inbox_name(a), a) for group in model.layer_agents for a in group}
-        return cls(
-            model_id,
-            plan.mailboxes_of(model_id)[rank // model.attention_tp].name,
-            [[inboxes[a] for a in group] for group in model.layer_agents],
-            plan.ffn_timeout_s,
-            tp_rank=rank % model.attention_tp,
-            tp=model.attention_tp,
-        )
-
-    def __init__(
-        self,
-        model: str,
-        mailbox_name: str,
-        layer_inboxes: list[list[Inbox]],
-        timeout_s: float,
-        *,
-        tp_rank: int = 0,
-        tp: int = 1,
-    ) -> None:
-        """`layer_inboxes[layer]`: the FfnAgents that execute that layer (its execution group).
-        `tp_rank` 0 publishes the calls of the mailbox's `tp` ranks; the others follow."""
-        assert 0 <= tp_rank < tp <= MAX_TP, (tp_rank, tp)
-        self.model = model
-        self.mailbox = Mailbox.open(mailbox_name)
+    def __init__(self, layout: RankLayout) -> None:
+        assert 0 <= layout.tp_rank < layout.tp <= MAX_TP, (layout.tp_rank, layout.tp)
+        self.model = layout.model
+        self.mailbox = Mailbox.open(layout.mailbox)
         w = self.mailbox.words
-        self.layer_inboxes = layer_inboxes
-        assert max(len(group) for group in layer_inboxes) <= self.mailbox.shards, "mailbox has too few output planes"
-        self.peers = {inbox.agent: inbox.peer() for group in layer_inboxes for inbox in group}
-        self.bound_s = timeout_s
+        inboxes = {agent: Inbox.open(name, agent) for agent, name in layout.inboxes.items()}
+        self.layer_inboxes = [[inboxes[a] for a in group] for group in layout.layer_agents]
+        assert max(map(len, self.layer_inboxes)) <= self.mailbox.shards, "mailbox has too few output planes"
+        self.peers = {agent: inbox.peer() for agent, inbox in inboxes.items()}
+        self.bound_s = layout.timeout_s
         self.seq = w[W_REQ_SEQ]
         self.latency = LatencyHistogram()
-        self.tp_rank, self.followers = tp_rank, range(1, tp)
-        if tp_rank:
-            w[ack_word(tp_rank) + 1] = os.getpid()  # the follower's pid word
+        self.tp_rank, self.followers = layout.tp_rank, range(1, layout.tp)
+        if self.tp_rank:
+            w[ack_word(self.tp_rank) + 1] = os.getpid()  # the follower's pid word
         else:
             w[W_RANK_PID] = os.getpid()
 
-    def _check(self, group: list[Inbox]) -> None:
+    def _check(self, group: list[Inbox], during: str) -> None:
         reason = self.mailbox.fence_reason()
         if reason is not None:
-            raise PeerDied(reason)
+            raise FfnFenced(f"{reason}{during}")
         for inbox in group:
             peer = self.peers[inbox.agent]
             if not peer.alive():
-                raise PeerDied(f"FFN pool failed: {peer} exited")
+                raise FfnPeerExited(f"FFN pool failed: {peer} exited{during}")
 
     def call(self, layer: int, hidden: torch.Tensor, out: torch.Tensor) -> None:
         mb = self.mailbox
         rows = hidden.shape[0]
         if hidden.dim() != 2 or hidden.shape[1] != mb.hidden or hidden.dtype != mb.dtype:
-            raise RuntimeError(
-                f"FFN call for layer {layer}: expected [rows, {mb.hidden}] {mb.dtype}, "
+            raise FfnCallRejected(
+                f"FFN call for layer {layer} of {self.model}: expected [rows, {mb.hidden}] {mb.dtype}, "
                 f"got {list(hidden.shape)} {hidden.dtype}"
             )
         if rows > mb.max_rows:
-            raise RuntimeError(
-                f"FFN call for layer {layer} carries {rows} rows; the mailbox holds "
+            raise FfnCallRejected(
+                f"FFN call for layer {layer} of {self.model} carries {rows} rows; the mailbox holds "
                 f"{mb.max_rows} (raise limits.max_batched_tokens)"
             )
         if rows == 0:
@@ -239,7 +236,7 @@ class RankTransport:
     def _round_trip(self, layer: int, rows: int, group: list[Inbox]) -> None:
         w = self.mailbox.words
         if w[W_FENCE]:
-            raise RuntimeError(self.mailbox.fence_reason())
+            raise FfnFenced(f"{self.mailbox.fence_reason()} during layer {layer} of {self.model}")
         deadline = time.monotonic() + self.bound_s
         for follower in self.followers:  # they must have read the previous call's planes
             who = f"attention TP rank {follower} of {self.model}"
@@ -258,7 +255,7 @@ class RankTransport:
         self._wait_replies(seq, layer, rows, group, time.monotonic() + self.bound_s)
         w = self.mailbox.words
         if (w[W_LAYER], w[W_ROWS]) != (layer, rows):
-            raise RuntimeError(
+            raise RankDisagreement(
                 f"attention TP ranks of {self.model} disagree: call {seq} is layer {w[W_LAYER]} with "
                 f"{w[W_ROWS]} rows on rank 0, layer {layer} with {rows} rows on rank {self.tp_rank}"
             )
@@ -269,7 +266,7 @@ class RankTransport:
             during = f" during layer {layer} of {self.model}"
             self._wait_word(resp_word(shard), seq, deadline, group, who, during, f" ({rows} rows)")
             if self.mailbox.words[W_STATUS + 16 * shard] != STATUS_OK:
-                raise RuntimeError(self.mailbox.error_text(shard))
+                raise FfnAgentFailed(self.mailbox.error_text(shard))
 
     def _wait_word(
         self, word: int, target: int, deadline: float, group: list[Inbox], who: str, during: str, detail: str = ""
@@ -278,9 +275,7 @@ class RankTransport:
         while value != target:
             try:
                 value = wait_word_change(
-                    self.mailbox.seg, word, value, deadline=deadline, check=lambda: self._check(group)
+                    self.mailbox.seg, word, value, deadline=deadline, check=lambda: self._check(group, during)
                 )
             except TimeoutError:
-                raise RuntimeError(f"{who} did not answer within {self.bound_s:g} s{during}{detail}") from None
-            except PeerDied as e:
-                raise RuntimeError(f"{e}{during}") from None
+                raise FfnTimeout(f"{who} did not answer within {self.bound_s:g} s{during}{detail}") from None

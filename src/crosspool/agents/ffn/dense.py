@@ -13,12 +13,12 @@ each GEMM is the one the engine itself would run on this CPU.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
-ActivationMath = Literal["fp32", "dtype"]
+from crosspool.models.spec import ActivationMath
+
 Linear = Callable[[torch.Tensor], torch.Tensor]
 LinearFactory = Callable[[torch.Tensor], Linear]
 """weight [out, in] -> the kernel computing x @ weight.T"""

@@ -12,7 +12,8 @@ from typing import Protocol
 
 import torch
 
-from crosspool.agents.ffn.dense import ActivationMath, GatedDenseFfn
+from crosspool.agents.ffn.dense import GatedDenseFfn
+from crosspool.models.spec import ActivationMath
 
 
 class MoeKernel(Protocol):

@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from safetensors import safe_open
 
-from crosspool.agents.ffn.dense import ActivationMath, GatedDenseFfn, Linear
+from crosspool.agents.ffn.dense import GatedDenseFfn, Linear
 from crosspool.agents.ffn.moe import MoeKernel, RoutedMoeFfn
 from crosspool.models import spec as ffn_spec
-from crosspool.models.spec import LayerFfn, ModelFfnSpec, MoeRouting
-from crosspool.transport.mailbox import DTYPES
+from crosspool.models.spec import DTYPES, ActivationMath, LayerFfn, ModelFfnSpec, MoeRouting
 
 LayerExecutor = Callable[[torch.Tensor], torch.Tensor]
 
@@ -32,6 +31,13 @@ class EngineKernels(Protocol):
         routing: MoeRouting,
         /,
     ) -> MoeKernel: ...
+
+
+if TYPE_CHECKING:  # mypy checks that each integration's kernel module is an EngineKernels
+    from crosspool.integrations.sglang import kernels as _sglang_kernels
+    from crosspool.integrations.vllm import kernels as _vllm_kernels
+
+    _KERNELS: tuple[EngineKernels, ...] = (_vllm_kernels, _sglang_kernels)
 
 
 def shard_range(size: int, index: int, count: int) -> tuple[int, int]:

@@ -7,6 +7,7 @@ which the pool does not reproduce, so it refuses to build kernels there."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NoReturn
 
 import torch
 import torch.nn.functional as F
@@ -24,5 +25,5 @@ def linear(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda x: F.linear(x, weight)
 
 
-def moe(*args: object) -> None:
+def moe(*args: object) -> NoReturn:
     raise NotImplementedError("MoE families are not served through SGLang with CrossPool (the plan refuses them)")

@@ -6,27 +6,18 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
+from crosspool import envs
 from crosspool.config import ModelConfig
 from crosspool.integrations import command_flags
 from crosspool.integrations.cpus import cpu_binding
 from crosspool.integrations.sglang.options import FAMILIES, engine_arg_problems
+from crosspool.models.spec import ActivationMath, dtype_bytes
 
 ENGINE = "sglang"
 VERSION = "0.5.23"
-ARCHITECTURES = FAMILIES
-__all__ = [
-    "ARCHITECTURES",
-    "ENGINE",
-    "VERSION",
-    "activation_math",
-    "engine_env",
-    "model_problems",
-    "server_command",
-]
-
-_DTYPE_BYTES = {"bfloat16": 2, "float32": 4}
+ARCHITECTURES: tuple[str, ...] | None = FAMILIES
 
 
 def model_problems(model: ModelConfig) -> list[str]:
@@ -42,7 +33,7 @@ def model_problems(model: ModelConfig) -> list[str]:
     return problems
 
 
-def activation_math(model: ModelConfig) -> Literal["fp32", "dtype"]:
+def activation_math(model: ModelConfig) -> ActivationMath:
     """SGLang on x86 CPU without AMX runs SiluAndMul.forward_native in the model dtype (two
     roundings; srt/layers/activation.py) and serves eager only (torch.compile is refused)."""
     return "dtype"
@@ -55,7 +46,7 @@ def kv_cache_tokens(model: ModelConfig) -> int:
     heads = config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     per_token = config["num_hidden_layers"] * 2 * config.get("num_key_value_heads", heads) * head_dim
-    return model.kv_cache_gib * 2**30 // (per_token * _DTYPE_BYTES[model.dtype])
+    return model.kv_cache_gib * 2**30 // (per_token * dtype_bytes(model.dtype))
 
 
 def engine_env(model: ModelConfig, plan_path: Path | None) -> dict[str, str]:
@@ -70,10 +61,10 @@ def engine_env(model: ModelConfig, plan_path: Path | None) -> dict[str, str]:
         SGLANG_CPU_OMP_THREADS_BIND=env.get("SGLANG_CPU_OMP_THREADS_BIND")
         or cpu_binding(workers, sorted(os.sched_getaffinity(0))),
     )
-    env.pop("CROSSPOOL_PLAN", None)
+    env.pop(envs.PLAN, None)
     if plan_path is not None:
         # SGLang leaves its ipc:// socket files in TMPDIR: the generation's run dir is removed after.
-        env.update(CROSSPOOL_PLAN=str(plan_path), CROSSPOOL_MODEL=model.id, TMPDIR=str(plan_path.parent))
+        env.update({envs.PLAN: str(plan_path), envs.MODEL: model.id, "TMPDIR": str(plan_path.parent)})
     return env
 
 

@@ -20,16 +20,13 @@ from typing import Any
 
 import torch
 
-from crosspool import ops
+from crosspool import envs, ops
 from crosspool.integrations.refusals import runtime_problems
 from crosspool.integrations.sglang.options import FAMILIES, UNSUPPORTED
 from crosspool.integrations.standin import FfnStandIn, attach_rank, filter_ffn_weights
 from crosspool.ipc import die_with_supervisor
 from crosspool.models.spec import load_ffn_spec
 from crosspool.plan import ModelPlan, Plan
-
-ENV_PLAN = "CROSSPOOL_PLAN"
-ENV_MODEL = "CROSSPOOL_MODEL"
 
 _state: dict[str, Any] = {}
 
@@ -116,7 +113,7 @@ def _require_stand_ins() -> None:
 
 
 def register() -> None:
-    plan_path = os.environ.get(ENV_PLAN)
+    plan_path = os.environ.get(envs.PLAN)
     if not plan_path or "registered" in _state:
         return
     _state["registered"] = True
@@ -124,7 +121,7 @@ def register() -> None:
         die_with_supervisor()  # the server's main process; SGLang's children die with it
         _require_stand_ins()
         plan = Plan.model_validate_json(Path(plan_path).read_text())
-        model = plan.model(os.environ[ENV_MODEL])
+        model = plan.model(os.environ[envs.MODEL])
         spec = load_ffn_spec(model.path)
         if spec.architecture not in FAMILIES:
             raise ValueError(f"{spec.architecture} is not served through SGLang (supported: {', '.join(FAMILIES)})")

@@ -5,25 +5,18 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
+from crosspool import envs
 from crosspool.config import ModelConfig
 from crosspool.integrations import command_flags
 from crosspool.integrations.cpus import cpu_binding
 from crosspool.integrations.vllm.options import engine_arg_problems
+from crosspool.models.spec import ActivationMath
 
 ENGINE = "vllm"
 VERSION = "0.32.0"
-ARCHITECTURES = None  # every family in crosspool.models
-__all__ = [
-    "ARCHITECTURES",
-    "ENGINE",
-    "VERSION",
-    "activation_math",
-    "engine_env",
-    "model_problems",
-    "server_command",
-]
+ARCHITECTURES: tuple[str, ...] | None = None  # every family in crosspool.models
 
 
 def model_problems(model: ModelConfig) -> list[str]:
@@ -31,7 +24,7 @@ def model_problems(model: ModelConfig) -> list[str]:
     return engine_arg_problems(model.engine_args)
 
 
-def activation_math(model: ModelConfig) -> Literal["fp32", "dtype"]:
+def activation_math(model: ModelConfig) -> ActivationMath:
     """vLLM on x86 CPU: eager runs SiluAndMul.forward_native in the model dtype (two roundings);
     compile mode lets inductor fuse it in fp32 (model_executor/layers/activation.py, forward_cpu)."""
     return "dtype" if model.enforce_eager else "fp32"
@@ -39,8 +32,7 @@ def activation_math(model: ModelConfig) -> Literal["fp32", "dtype"]:
 
 def cache_root(crosspool_enabled: bool) -> Path:
     # vLLM's compile cache key ignores model source code: patched and native runs must not share it.
-    base = Path(os.environ.get("CROSSPOOL_CACHE", Path.home() / ".cache" / "crosspool"))
-    return base / ("vllm-crosspool" if crosspool_enabled else "vllm-native")
+    return envs.cache_root() / ("vllm-crosspool" if crosspool_enabled else "vllm-native")
 
 
 def engine_env(model: ModelConfig, plan_path: Path | None) -> dict[str, str]:
@@ -57,9 +49,9 @@ def engine_env(model: ModelConfig, plan_path: Path | None) -> dict[str, str]:
     workers = model.attention_tp * model.attention_dp
     if workers > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
         env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(workers, sorted(os.sched_getaffinity(0)))
-    env.pop("CROSSPOOL_PLAN", None)
+    env.pop(envs.PLAN, None)
     if plan_path is not None:
-        env.update(CROSSPOOL_PLAN=str(plan_path), CROSSPOOL_MODEL=model.id)
+        env.update({envs.PLAN: str(plan_path), envs.MODEL: model.id})
     return env
 
 

@@ -12,16 +12,13 @@ import os
 from pathlib import Path
 from typing import Any
 
-from crosspool import ops
+from crosspool import envs, ops
 from crosspool.integrations.refusals import runtime_problems
 from crosspool.integrations.standin import FfnStandIn, attach_rank, filter_ffn_weights
 from crosspool.integrations.vllm.options import UNSUPPORTED
 from crosspool.ipc import die_with_supervisor
 from crosspool.models.spec import ModelFfnSpec, load_ffn_spec
 from crosspool.plan import ModelPlan, Plan
-
-ENV_PLAN = "CROSSPOOL_PLAN"
-ENV_MODEL = "CROSSPOOL_MODEL"
 
 _state: dict[str, Any] = {}
 
@@ -99,12 +96,12 @@ def _filter_ffn_weights(ffn_keys: frozenset[str]) -> None:
 
 
 def register() -> None:
-    plan_path = os.environ.get(ENV_PLAN)
+    plan_path = os.environ.get(envs.PLAN)
     if not plan_path or "plan" in _state:
         return
     die_with_supervisor()  # the API server process; vLLM stops its EngineCore when it goes
     plan = Plan.model_validate_json(Path(plan_path).read_text())
-    model = plan.model(os.environ[ENV_MODEL])
+    model = plan.model(os.environ[envs.MODEL])
     spec = load_ffn_spec(model.path)
     _state.update(plan=plan, model=model, spec=spec)
 

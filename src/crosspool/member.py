@@ -20,6 +20,18 @@ from crosspool.plan import Plan
 REQUEST_TIMEOUT_S = 5.0
 
 
+class ControlError(RuntimeError):
+    """The daemon could not be asked, or said no."""
+
+
+class DaemonUnreachable(ControlError):
+    pass
+
+
+class DaemonRefused(ControlError):
+    """HTTP 409 (or another error status) with the daemon's reason."""
+
+
 class ControlClient:
     def __init__(self, plan: Plan, role: str, ident: str, rank: int = 0) -> None:
         self.plan = plan
@@ -33,10 +45,10 @@ class ControlClient:
         try:
             r = self.http.post(path, json={**self.ref, **body})
         except httpx.HTTPError as e:
-            raise RuntimeError(f"CrossPool daemon at {self.plan.control_url} unreachable: {e}") from None
+            raise DaemonUnreachable(f"CrossPool daemon at {self.plan.control_url} unreachable: {e}") from None
         if r.status_code != 200:
             detail = r.json().get("detail") if r.headers.get("content-type") == "application/json" else r.text
-            raise RuntimeError(f"CrossPool daemon refused {path}: HTTP {r.status_code}: {detail}")
+            raise DaemonRefused(f"CrossPool daemon refused {path}: HTTP {r.status_code}: {detail}")
         answer: dict = r.json()
         self.phase, self.failure = answer["phase"], answer["failure"]
         return answer
@@ -47,7 +59,7 @@ class ControlClient:
     def report_failure(self, reason: str) -> None:
         try:
             self._post("/v1/failures", {"reason": reason[:2000]})
-        except RuntimeError as e:
+        except ControlError as e:
             print(f"crosspool: could not report failure to the daemon: {e}", file=sys.stderr, flush=True)
 
     def start_heartbeats(self, metrics: Callable[[], MemberMetrics] = MemberMetrics) -> None:
@@ -57,7 +69,7 @@ class ControlClient:
                 seq += 1
                 try:
                     self._post("/v1/heartbeats", {"seq": seq, "metrics": metrics().model_dump()})
-                except RuntimeError:
+                except ControlError:
                     continue  # the daemon decides what silence means
 
         threading.Thread(target=beat, name="crosspool-heartbeat", daemon=True).start()

@@ -1,0 +1,25 @@
+"""The environment variables CrossPool reads or sets, each named once."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+CACHE = "CROSSPOOL_CACHE"
+"""Root of CrossPool's files on this host: prepared models, tiny checkpoints, engine compile caches."""
+PLAN = "CROSSPOOL_PLAN"
+"""Set by CrossPool in an engine's environment: the generation's plan file (the plugins stay inert without it)."""
+MODEL = "CROSSPOOL_MODEL"
+"""Set with PLAN: the model id this engine serves."""
+SUPERVISOR_PID = "CROSSPOOL_SUPERVISOR_PID"
+"""Set in every member's environment: the pid of the daemon that started it."""
+SPIN_US = "CROSSPOOL_SPIN_US"
+"""Microseconds a waiter spins before it blocks on a futex (default 0: hosts without a spare core)."""
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get(CACHE) or Path.home() / ".cache" / "crosspool")
+
+
+def spin_s() -> float:
+    return float(os.environ.get(SPIN_US, "0")) * 1e-6
