@@ -188,9 +188,9 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["qualify"]:
-        from crosspool.qualify import ffn
+        from crosspool.qualify import command
 
-        sys.exit(ffn.main(argv[1:]))
+        sys.exit(command.main(argv[1:]))
     if argv[:1] == ["bench"]:
         from crosspool.bench import overhead
 

@@ -27,7 +27,7 @@ from crosspool import envs
 
 SHM_DIR = Path("/dev/shm")
 SHM_PREFIX = "crosspool-"
-# Files engines leave in /dev/shm when their processes are killed (FEASIBILITY.md): multiprocessing
+# Files engines leave in /dev/shm when their processes are killed (docs/engines.md, leftovers): multiprocessing
 # semaphores and shared memory, SGLang's load snapshots and message queues.
 ENGINE_LEFTOVERS = ("sem.mp-", "psm_", "sglang_", "sgl_shm_")
 

@@ -52,7 +52,7 @@ def test_qwen3_moe_spec(tiny_models):
     moe = spec.layers[1]
     assert isinstance(moe, MoeFfn)
     assert (len(moe.experts), moe.intermediate, moe.shared, moe.bias_key) == (8, 64, None, None)
-    assert moe.routing == MoeRouting(top_k=2, scoring="softmax", renormalize=True, grouped=False, router_fp32=False)
+    assert moe.routing == MoeRouting(top_k=2, scoring="softmax", renormalize=True, grouped=False)
     assert moe.router_key == "model.layers.1.mlp.gate.weight"
     assert moe.experts[7].down_key == "model.layers.1.mlp.experts.7.down_proj.weight"
     assert moe.weight_bytes("bfloat16") == (8 * 128 + 8 * 3 * 128 * 64) * 2
@@ -69,7 +69,6 @@ def test_deepseek_v2_spec(tiny_models):
         scoring="softmax",
         renormalize=False,
         grouped=True,
-        router_fp32=True,
         n_group=4,
         topk_group=2,
         routed_scaling_factor=1.5,

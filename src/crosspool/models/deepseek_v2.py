@@ -18,7 +18,6 @@ def ffn_layers(config: dict, keys: dict[str, str]) -> tuple[LayerFfn, ...]:
         scoring=str(config.get("scoring_func", "softmax")),
         renormalize=bool(config.get("norm_topk_prob", False)),
         grouped=True,
-        router_fp32=True,  # HF's DeepseekV2TopkRouter; vLLM's CPU gate stays in the model dtype
         n_group=int(config.get("n_group") or 1),
         topk_group=int(config.get("topk_group") or 1),
         routed_scaling_factor=float(config.get("routed_scaling_factor", 1.0)),

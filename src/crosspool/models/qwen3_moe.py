@@ -15,7 +15,6 @@ def ffn_layers(config: dict, keys: dict[str, str]) -> tuple[LayerFfn, ...]:
         scoring="softmax",
         renormalize=bool(config.get("norm_topk_prob", False)),
         grouped=False,
-        router_fp32=False,
     )
     layers: list[LayerFfn] = []
     for i in range(int(config["num_hidden_layers"])):

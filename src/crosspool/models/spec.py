@@ -56,7 +56,6 @@ class MoeRouting:
     scoring: str  # "softmax" | "sigmoid"
     renormalize: bool  # divide the top-k weights by their sum
     grouped: bool  # DeepSeek's grouped top-k; otherwise top-k over the router logits
-    router_fp32: bool  # router GEMM in fp32 (the family's reference does it); else in the model dtype
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0

@@ -18,7 +18,6 @@ Structure: every row makes >= 1,000 layer calls with no failure in the generatio
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import random
 import signal
@@ -75,9 +74,10 @@ MATRIX = [
 ]
 
 
-def prompts(vocab: int) -> list[list[int]]:
-    rng = random.Random(0)
-    return [[rng.randrange(1, vocab) for _ in range(rng.randrange(4, 40))] for _ in range(PROMPTS)]
+def prompts(vocab: int, count: int = PROMPTS, seed: int = 0) -> list[list[int]]:
+    """Seeded random token-id prompts of 4 to 39 tokens (tests and qualification share them)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(1, vocab) for _ in range(rng.randrange(4, 40))] for _ in range(count)]
 
 
 def identical_prefix(a: list[int], b: list[int]) -> int:
@@ -244,27 +244,27 @@ def _executed(metrics: str) -> dict[str, int]:
     return out
 
 
+def planned_cases(lanes_options: tuple[int, ...], modes: tuple[str, ...]) -> list[str]:
+    return [f"serving/{row.name}" for row in MATRIX if row.lanes in lanes_options and row.mode in modes]
+
+
 def qualify_serving(
     path: Path, lanes_options: tuple[int, ...] = (1, 2), modes: tuple[str, ...] = MODES
-) -> list[dict[str, Any]]:
+) -> Iterator[dict[str, Any]]:
+    """The verdicts of `planned_cases(lanes_options, modes)`, as they come."""
     import transformers
 
     vocab = len(transformers.AutoTokenizer.from_pretrained(path))
     work = prompts(vocab)
-    verdicts: list[dict[str, Any]] = []
     single: dict[tuple[int, int, str], dict] = {}
     for mode in modes:
         refs = native_references(path, work, mode)
         for lanes in lanes_options:
             for row, got, verdict in single_rank_rows(path, work, refs, lanes, mode):
-                verdicts.append(verdict)
-                print(json.dumps(verdict), flush=True)
+                yield verdict
                 if row.attention_tp == 1:
                     single[row.ffn_tp, lanes, mode] = got
-            for verdict in data_parallel_rows(path, work, single, lanes, mode):
-                verdicts.append(verdict)
-                print(json.dumps(verdict), flush=True)
-    return verdicts
+            yield from data_parallel_rows(path, work, single, lanes, mode)
 
 
 def default_model() -> Path:

@@ -17,6 +17,10 @@ from crosspool.models.spec import ActivationMath
 
 
 class MoeKernel(Protocol):
+    def router_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The router GEMM as the engine computes it (the logits it routes on)."""
+        ...
+
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per token the top-k router weights (fp32) and expert ids (int32), in the engine's order."""
         ...

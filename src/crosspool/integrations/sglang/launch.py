@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
 import json
 import os
 import sys
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from crosspool import envs
 from crosspool.config import ModelConfig
@@ -20,9 +24,42 @@ VERSION = "0.5.23"
 ARCHITECTURES: tuple[str, ...] | None = FAMILIES
 
 
+STANDIN = "crosspool-sgl-kernel-standin"
+"""CrossPool's `sgl_kernel` module without kernels (scripts/sglang-cpu/install.sh)."""
+
+
+def _sgl_kernel_is_standin() -> bool:
+    """Whether `import sgl_kernel` would load CrossPool's stand-in (checked without importing it)."""
+    spec = importlib.util.find_spec("sgl_kernel")
+    if spec is None or spec.origin is None:
+        return False
+    try:
+        standin = importlib.metadata.distribution(STANDIN).locate_file("sgl_kernel/__init__.py")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return Path(str(standin)).resolve() == Path(spec.origin).resolve()
+
+
+def host_problems() -> list[str]:
+    """Why SGLang's CPU path on this host is not the one the FFN pool reproduces, if it is not.
+
+    SGLang computes linears (and activations and norms) with `sgl_kernel`'s AMX kernels when
+    `cpu_has_amx_support()` holds: an AMX CPU and a `torch.ops.sgl_kernel` library registering
+    `convert_weight_packed` (srt/utils/common.py). CrossPool's stand-in registers no operator, so
+    SGLang takes its native torch path (`F.linear`, `forward_native`) on every CPU, and so does
+    the pool. A real sgl_kernel on an AMX CPU would switch SGLang to the packed path."""
+    if not torch.cpu._is_amx_tile_supported() or _sgl_kernel_is_standin():
+        return []
+    return [
+        "engine: SGLang on this AMX CPU would compute with sgl_kernel's packed AMX kernels (sgl_kernel is "
+        f"installed and is not {STANDIN}), which the FFN pool does not reproduce; install the stand-in "
+        '(scripts/sglang-cpu/install.sh) or use engine = "vllm"'
+    ]
+
+
 def model_problems(model: ModelConfig) -> list[str]:
     """What of this model's configuration SGLang cannot serve with CrossPool (field named)."""
-    problems = engine_arg_problems(model.engine_args)
+    problems = host_problems() + engine_arg_problems(model.engine_args)
     if model.attention_dp != 1:
         # Its DP controller's replicas would attach as ranks dp * tp + tp_rank, but no run has
         # checked them against native SGLang DP: refused until qualified (vLLM serves DP).

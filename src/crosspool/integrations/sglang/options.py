@@ -10,6 +10,10 @@ from crosspool.integrations import refusals
 # Dense families whose MLP class the plugin replaces (MoE families are not served through SGLang yet).
 FAMILIES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
+_NO_CP = (
+    "context parallelism is not served with CrossPool: SGLang's CPU attention backends do not implement it "
+    "(torch_native fails under prefill CP, decode CP refuses the CPU), and the FFN pool has no row layout for it yet"
+)
 _LAYOUT = "changes which rows reach the FFN (the pool computes exactly the rows one rank hands it)"
 
 # server argument -> (value that is fine, reason it is refused otherwise)
@@ -28,9 +32,9 @@ UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "moe_dense_tp_size": (None, _LAYOUT),
     "enable_layernorm_sp": (False, _LAYOUT),
     "enable_attn_tp_input_scattered": (False, _LAYOUT),
-    "attn_cp_size": (1, "context parallelism comes with issue F (no CPU attention backend implements it)"),
-    "enable_prefill_cp": (False, "context parallelism comes with issue F (no CPU attention backend implements it)"),
-    "dcp_size": (1, "context parallelism comes with issue F (no CPU attention backend implements it)"),
+    "attn_cp_size": (1, _NO_CP),
+    "enable_prefill_cp": (False, _NO_CP),
+    "dcp_size": (1, _NO_CP),
     "ep_size": (1, "expert parallelism belongs to the FFN pool, not the engine"),
     "moe_a2a_backend": ("none", "expert parallelism belongs to the FFN pool, not the engine"),
     "enable_eplb": (False, "expert parallelism belongs to the FFN pool, not the engine"),

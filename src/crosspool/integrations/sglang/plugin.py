@@ -48,6 +48,10 @@ def _runtime_problems(model: ModelPlan) -> list[str]:
         problems.append(f"model_path {args.model_path} is not the planned {model.path}")
     if args.dtype != model.dtype:
         problems.append(f"dtype {args.dtype} is not the planned {model.dtype}")
+    from sglang.srt.layers.quantization import unquant
+
+    if unquant._is_cpu_amx_available:  # the path SGLang's linears took at import
+        problems.append("SGLang computes with sgl_kernel's AMX kernels here, which the FFN pool does not reproduce")
     return problems
 
 

@@ -10,9 +10,9 @@ This is the FfnAgent's one, bounded dependency on the engine: callables over ten
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from crosspool.models.spec import MoeRouting
@@ -30,14 +30,46 @@ def linear(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda x: kernel(x, kept, None)
 
 
-class FusedMoe:
-    """vLLM's CPU MoE path: the gate GEMM, `CPURouter`'s routing and `cpu_fused_moe` on
-    prepacked expert weights (the "vec" kernel vLLM selects on x86 without AMX). One deliberate
-    difference: where the family's reference routes on fp32 logits (DeepSeek), so does this,
-    while vLLM 0.32's CPU gate returns bf16 logits (expert choices differ on near-ties)."""
+def moe_experts(experts: int, hidden: int, intermediate: int, top_k: int, dtype: torch.dtype) -> Any:
+    """The experts kernel vLLM's MoE layer gets for this shape on this CPU: its config as the
+    layer builds it (unquantized, SiLU-gated, no EP: one FFN shard is a whole layer to vLLM) and
+    the class its oracle selects (`select_unquantized_moe_backend`: the AMX kernel for bf16 on
+    x86 with AMX, the portable "vec" kernel otherwise), constructed but not yet given weights."""
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+    from vllm.model_executor.layers.fused_moe.config import (
+        FUSED_MOE_UNQUANTIZED_CONFIG,
+        FusedMoEConfig,
+        FusedMoEParallelConfig,
+        RoutingMethodType,
+    )
+    from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEExpertsModular
+    from vllm.model_executor.layers.fused_moe.oracle.unquantized import select_unquantized_moe_backend
 
-    ISA = "vec"
-    ALIGN = 32  # vLLM pads the expert intermediate dimension to a multiple of this
+    config = FusedMoEConfig(
+        num_experts=experts,
+        experts_per_token=top_k,
+        hidden_dim=hidden,
+        intermediate_size=intermediate,
+        num_local_experts=experts,
+        num_logical_experts=experts,
+        activation=MoEActivation.SILU,
+        device="cpu",
+        routing_method=RoutingMethodType.Unspecified,  # CPU experts take any: routing runs in CPURouter
+        moe_parallel_config=FusedMoEParallelConfig.make_no_parallel(),
+        in_dtype=dtype,
+    )
+    _, experts_cls = select_unquantized_moe_backend(config)
+    assert experts_cls is not None
+    kernel = experts_cls(config, FUSED_MOE_UNQUANTIZED_CONFIG)
+    assert isinstance(kernel, FusedMoEExpertsModular), experts_cls  # vLLM's CPU experts are
+    return kernel
+
+
+class FusedMoe:
+    """vLLM's CPU MoE path, as its MoE layer runs it: the gate GEMM in the model dtype (on CPU
+    vLLM's `GateLinear` computes router logits in the weight's dtype), `CPURouter`'s routing, and
+    the experts kernel of `moe_experts` with that kernel's own intermediate padding and weight
+    prepacking."""
 
     def __init__(
         self,
@@ -47,23 +79,16 @@ class FusedMoe:
         w2: torch.Tensor,
         routing: MoeRouting,
     ) -> None:
-        from vllm._custom_ops import cpu_prepack_moe_weight
+        from vllm.model_executor.layers.fused_moe.activation import MoEActivation
         from vllm.model_executor.layers.fused_moe.router.cpu_router import CPURouter
 
-        amx = torch.cpu._is_amx_tile_supported()
-        if amx and w13.dtype == torch.bfloat16:
-            raise NotImplementedError(
-                "vLLM runs bf16 MoE with its AMX kernel on this CPU; CrossPool's FFN pool has only "
-                "qualified the 'vec' kernel (x86 without AMX)"
-            )
-        experts, hidden = w2.shape[0], w2.shape[1]
-        if hidden % self.ALIGN:
-            raise ValueError(f"vLLM's CPU MoE kernel needs a hidden size divisible by {self.ALIGN}, got {hidden}")
-        if routing.router_fp32:  # the family's own router arithmetic (vLLM would route on bf16 logits)
-            router32 = router.float()
-            self.gate: Callable[[torch.Tensor], torch.Tensor] = lambda x: F.linear(x.float(), router32)
-        else:
-            self.gate = linear(router)
+        experts, hidden, inter = w2.shape
+        self.experts = moe_experts(experts, hidden, inter, routing.top_k, w13.dtype)
+        self.weights = nn.Module()
+        self.weights.w13_weight = nn.Parameter(w13.contiguous(), requires_grad=False)
+        self.weights.w2_weight = nn.Parameter(w2.contiguous(), requires_grad=False)
+        self.experts.process_weights_after_loading(self.weights)  # pads and prepacks as vLLM does
+        self.gate = linear(router)
         # vLLM's router applies the routed scaling factor after the kernel on CPU (not to the weights).
         self.router = CPURouter(
             top_k=routing.top_k,
@@ -75,26 +100,25 @@ class FusedMoe:
             scoring_func=routing.scoring,
             e_score_correction_bias=bias,
         )
-        inter = w2.shape[2]
-        padded = -(-inter // self.ALIGN) * self.ALIGN
-        if padded != inter:  # zero rows/columns, as vLLM's _pad_moe_intermediate: results unchanged
-            w13p = w13.new_zeros(experts, 2 * padded, hidden)
-            w13p[:, :inter], w13p[:, padded : padded + inter] = w13[:, :inter], w13[:, inter:]
-            w2p = w2.new_zeros(experts, hidden, padded)
-            w2p[:, :, :inter] = w2
-            w13, w2 = w13p, w2p
-        self.w13 = cpu_prepack_moe_weight(w13.contiguous(), self.ISA)
-        self.w2 = cpu_prepack_moe_weight(w2.contiguous(), self.ISA)
+        self.num_experts = experts
+        self.silu = MoEActivation.SILU
+
+    def router_logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gate(x)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.router._compute_routing(x, self.gate(x), None)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        from vllm._custom_ops import cpu_fused_moe
-
         weights, ids = self.route(x)
         out = torch.empty_like(x)
-        cpu_fused_moe(out, x, self.w13, self.w2, None, None, weights, ids, "silu", self.ISA)
+        w13, w2 = self.weights.w13_weight, self.weights.w2_weight
+        assert isinstance(w13, torch.Tensor) and isinstance(w2, torch.Tensor)
+        # CPU experts keep their own scratch space (workspace shapes of 0) and write `out` whole.
+        self.experts.apply(
+            out, x, w13, w2, weights, ids, self.silu, self.num_experts,
+            None, None, None, x.new_empty(0), x.new_empty(0), None, False,
+        )  # fmt: skip
         return out
 
 
