@@ -174,24 +174,30 @@ def unlink_segments(prefix: str) -> list[str]:
     return removed
 
 
-def _open_shm_files() -> set[str]:
-    """Names of /dev/shm files some process has open or mapped (read from /proc)."""
-    names: set[str] = set()
+def _shm_inodes_in_use() -> set[int]:
+    """Inodes of /dev/shm files some process has open or mapped (read from /proc). By inode, not
+    name: glibc's sem_open maps a temporary file and then links it to the semaphore's name, so
+    /proc/PID/maps shows `/dev/shm/sem.XXXXXX (deleted)` for a live `sem.mp-*` semaphore."""
+    inodes: set[int] = set()
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
         try:
-            for fd in (proc / "fd").iterdir():
-                target = os.readlink(fd)
-                if target.startswith(f"{SHM_DIR}/"):
-                    names.add(target.split("/")[-1].removesuffix(" (deleted)"))
-            for line in (proc / "maps").read_text().splitlines():
-                path = line.split(maxsplit=5)[-1] if line.count(" ") >= 5 else ""
-                if path.startswith(f"{SHM_DIR}/"):
-                    names.add(path.split("/")[-1])
-        except OSError:  # the process ended while being read
+            fds = list((proc / "fd").iterdir())
+            maps = (proc / "maps").read_text().splitlines()
+        except OSError:  # it ended while being read, or is not ours to read (then it holds none of ours)
             continue
-    return names
+        for fd in fds:
+            try:
+                if os.readlink(fd).startswith(f"{SHM_DIR}/"):
+                    inodes.add(os.stat(fd).st_ino)
+            except OSError:  # closed while being read
+                continue
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].startswith(f"{SHM_DIR}/"):
+                inodes.add(int(fields[4]))
+    return inodes
 
 
 def shm_names() -> set[str]:
@@ -204,13 +210,20 @@ def unlink_orphans(prefixes: tuple[str, ...], since: float, existing: set[str]) 
     Engines killed by signal (SGLang stops its own children with SIGKILL) skip their unlink paths."""
     candidates = [p for p in SHM_DIR.iterdir() if p.name.startswith(prefixes) and p.name not in existing]
     candidates = [p for p in candidates if _mtime(p) >= since]
-    in_use = _open_shm_files() if candidates else set()
+    in_use = _shm_inodes_in_use() if candidates else set()
     removed = []
     for path in candidates:
-        if path.name not in in_use:
+        if _inode(path) not in in_use:
             path.unlink(missing_ok=True)
             removed.append(path.name)
     return removed
+
+
+def _inode(path: Path) -> int | None:
+    try:
+        return path.stat().st_ino
+    except FileNotFoundError:
+        return None
 
 
 def _mtime(path: Path) -> float:
