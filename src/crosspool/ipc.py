@@ -17,6 +17,7 @@ import platform
 import select
 import signal
 import socket
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -118,6 +119,39 @@ def die_with_supervisor() -> None:
     _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
     if os.getppid() != supervisor:  # it died before prctl took effect
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+class Stop:
+    """A stop request that a signal handler may make. Handlers run in the main thread between
+    bytecodes, possibly while it holds a lock: `threading.Event.set` in a handler deadlocked an
+    FfnAgent whose main thread was inside `Event.wait` (the handler waited for the Event's own
+    lock, forever; the agent outlived its daemon). `request` only stores a flag; `wait` polls it."""
+
+    POLL_S = 0.1
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self._requested = False
+
+    def request(self, *_: object) -> None:
+        """Safe in a signal handler (takes no lock)."""
+        self._requested = True
+
+    def set(self) -> None:
+        self._event.set()
+
+    def is_set(self) -> bool:
+        return self._requested or self._event.is_set()
+
+    def wait(self, timeout_s: float) -> bool:
+        """True once a stop is requested or set, False after `timeout_s` without one."""
+        end = time.monotonic() + timeout_s
+        while not self.is_set():
+            left = end - time.monotonic()
+            if left <= 0:
+                return False
+            self._event.wait(min(left, self.POLL_S))
+        return True
 
 
 class SegmentMissing(FileNotFoundError):

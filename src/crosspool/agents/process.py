@@ -7,11 +7,10 @@ import argparse
 import os
 import signal
 import sys
-import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from crosspool.ipc import die_with_supervisor
+from crosspool.ipc import Stop, die_with_supervisor
 from crosspool.member import ControlClient
 from crosspool.metrics import MemberMetrics
 from crosspool.plan import Plan
@@ -26,13 +25,10 @@ class AgentProcess:
         self.role, self.id = role, args.id
         self.plan = Plan.model_validate_json(args.plan.read_text())
         self.control = ControlClient(self.plan, role, self.id)
-        self.stop = threading.Event()
-        signal.signal(signal.SIGTERM, self._on_signal)
-        signal.signal(signal.SIGINT, self._on_signal)
+        self.stop = Stop()
+        signal.signal(signal.SIGTERM, self.stop.request)
+        signal.signal(signal.SIGINT, self.stop.request)
         die_with_supervisor()
-
-    def _on_signal(self, signum: int, frame: object) -> None:
-        self.stop.set()
 
     def log(self, message: str) -> None:
         print(f"[{self.role} {self.id}] {message}", file=sys.stderr, flush=True)

@@ -16,18 +16,32 @@ from dataclasses import replace
 
 import uvicorn
 
+from crosspool.config import Deployment
 from crosspool.daemon.control import ControlState, create_control_app
 from crosspool.daemon.generation import Generation, StartupError
 from crosspool.daemon.supervisor import log
-from crosspool.ipc import bind_port
+from crosspool.ipc import Stop, bind_port
 from crosspool.resolve import Resolved
+
+
+def no_restart(d: Deployment, generation: int, failure_kind: str | None, restarts: int, stopping: bool) -> str | None:
+    """Why a failed generation is not followed by the next one (the daemon exits 1), or None."""
+    if not d.restart:
+        return "restart = false"
+    if generation == 1 and failure_kind == "startup":
+        return "the first generation failed to start (a configuration problem, not a member failure)"
+    if stopping:
+        return "a stop was requested"
+    if restarts >= d.max_restarts:
+        return f"max_restarts = {d.max_restarts} reached"
+    return None
 
 
 class Daemon:
     def __init__(self, resolved: Resolved) -> None:
         self.resolved = resolved
         d = self.deployment = resolved.deployment
-        self.stop = threading.Event()
+        self.stop = Stop()
         self.state = ControlState(resolved.plan(1), f"http://{d.host}:{d.port}/v1", d.limits.heartbeat_timeout_s)
         self.server: uvicorn.Server | None = None
         self.generation: Generation | None = None
@@ -87,10 +101,10 @@ class Daemon:
                 return 0
             gen.drain(d.limits.shutdown_grace_s)
             gen.close()
-            first = gen.plan.generation == 1 and self.state.failure_kind == "startup"
-            if not d.restart or first or self.stop.is_set() or self.state.restarts >= d.max_restarts:
-                if d.restart and self.state.restarts >= d.max_restarts:
-                    log(f"not restarting: max_restarts = {d.max_restarts} reached")
+            state = self.state
+            refusal = no_restart(d, gen.plan.generation, state.failure_kind, state.restarts, self.stop.is_set())
+            if refusal is not None:
+                log(f"not restarting: {refusal}")
                 return 1
             self.state.restarts += 1
             log(f"generation {gen.plan.generation} retired after: {reason}; restarting")
@@ -120,7 +134,7 @@ def running_pool(resolved: Resolved) -> Iterator[Generation]:
 
 def run_daemon(resolved: Resolved) -> int:
     daemon = Daemon(resolved)
-    previous = {sig: signal.signal(sig, lambda *_: daemon.stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {sig: signal.signal(sig, daemon.stop.request) for sig in (signal.SIGINT, signal.SIGTERM)}
     code = 1
     try:
         code = daemon.run()

@@ -17,17 +17,17 @@ import os
 import shutil
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import httpx
 
+from crosspool import envs
 from crosspool.config import Deployment
 from crosspool.daemon.control import ControlState
 from crosspool.daemon.supervisor import Supervisor, log
 from crosspool.integrations import launcher
-from crosspool.ipc import SegmentMissing
+from crosspool.ipc import SegmentMissing, Stop
 from crosspool.plan import Plan
 from crosspool.transport.mailbox import Mailbox
 
@@ -39,14 +39,8 @@ class StartupError(RuntimeError):
     pass
 
 
-def _agent_env() -> dict[str, str]:
-    # libgomp threads spin after each parallel region by default; on a shared CPU host that spin
-    # takes the core the rank or the other agent needs next. Agents' threads sleep instead.
-    return {"OMP_WAIT_POLICY": "PASSIVE", **os.environ}
-
-
 class Generation:
-    def __init__(self, deployment: Deployment, plan: Plan, state: ControlState, stop: threading.Event) -> None:
+    def __init__(self, deployment: Deployment, plan: Plan, state: ControlState, stop: Stop) -> None:
         self.deployment, self.plan, self.state, self.stop = deployment, plan, state, stop
         self.sup = Supervisor(plan.shm_prefix)
         self.run_dir = Path(tempfile.mkdtemp(prefix=f"crosspool-{plan.token}-"))
@@ -86,7 +80,7 @@ class Generation:
 
     def _start_agent(self, role: str, module: str, agent_id: str, stop_order: int) -> None:
         argv = [sys.executable, "-m", f"crosspool.agents.{module}", "--plan", str(self.plan_path), "--id", agent_id]
-        self.sup.start(f"{role} '{agent_id}'", argv, _agent_env(), stop_order=stop_order)
+        self.sup.start(f"{role} '{agent_id}'", argv, envs.sharing_cores(os.environ), stop_order=stop_order)
 
     def start_pool(self, deadline: float) -> None:
         """AtnAgents (mailboxes), then FfnAgents (weights, inbox): after this the pool executes calls.
