@@ -21,6 +21,10 @@ class EngineLauncher(Protocol):
     ARCHITECTURES: tuple[str, ...] | None
     """The architectures CrossPool serves through this engine; None: every family in crosspool.models."""
 
+    def host_problems(self) -> list[str]:
+        """Why the engine's CPU path on this host is not one the FFN pool reproduces (empty: it is)."""
+        ...
+
     def model_problems(self, model: ModelConfig, /) -> list[str]:
         """What of this model's configuration the engine cannot serve with CrossPool, a line each
         (`field: reason (got value)`), checked before any process starts."""

@@ -88,7 +88,7 @@ def kv_cache_tokens(model: ModelConfig) -> int:
 
 def engine_env(model: ModelConfig, plan_path: Path | None) -> dict[str, str]:
     """Environment of an engine process; `plan_path` None means native SGLang (no CrossPool)."""
-    env = dict(os.environ)
+    env = envs.sharing_cores(os.environ)
     workers = model.attention_tp * model.attention_dp
     env.update(
         SGLANG_USE_CPU_ENGINE="1",

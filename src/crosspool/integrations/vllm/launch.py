@@ -19,6 +19,11 @@ VERSION = "0.32.0"
 ARCHITECTURES: tuple[str, ...] | None = None  # every family in crosspool.models
 
 
+def host_problems() -> list[str]:
+    """None: the pool builds every kernel through vLLM's own CPU dispatch, on any host vLLM runs on."""
+    return []
+
+
 def model_problems(model: ModelConfig) -> list[str]:
     """What of this model's configuration vLLM cannot serve with CrossPool (field named)."""
     return engine_arg_problems(model.engine_args)
@@ -37,7 +42,7 @@ def cache_root(crosspool_enabled: bool) -> Path:
 
 def engine_env(model: ModelConfig, plan_path: Path | None) -> dict[str, str]:
     """Environment of an engine process; `plan_path` None means native vLLM (no CrossPool)."""
-    env = dict(os.environ)
+    env = envs.sharing_cores(os.environ)
     env.update(
         VLLM_CPU_KVCACHE_SPACE=str(model.kv_cache_gib),
         VLLM_CACHE_ROOT=str(cache_root(plan_path is not None)),
