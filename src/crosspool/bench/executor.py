@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import sys
 from pathlib import Path
@@ -24,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from crosspool import host
 from crosspool.agents.ffn.dense import Linear
 from crosspool.agents.ffn.moe import MoeKernel
 from crosspool.agents.ffn.weights import load_layers
@@ -56,12 +55,6 @@ class PlainTorch:
 
     def moe(self, *args: object) -> MoeKernel:
         raise NotImplementedError("the executor benchmark times dense layers")
-
-
-def _cpu_model() -> str:
-    cpuinfo = Path("/proc/cpuinfo")
-    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
-    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), platform.machine())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -130,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
             }
         )
     result = {
-        "host": {"cpu": _cpu_model(), "cores": os.cpu_count(), "torch": torch.__version__},
+        "host": host.describe(),
         "model": str(model),
         "layer": args.layer,
         "dtype": args.dtype,

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from crosspool import host
 from crosspool.agents.ffn.weights import load_layers
 from crosspool.config import parse_deployment
 from crosspool.daemon.daemon import running_pool
@@ -31,7 +32,7 @@ from crosspool.integrations.offline import generate_in_child
 from crosspool.models.spec import load_ffn_spec
 from crosspool.plan import Plan
 from crosspool.resolve import resolve
-from crosspool.transport.mailbox import RankTransport
+from crosspool.transport.mailbox import W_REQ_SEQ, Mailbox, RankTransport
 
 
 def _deployment(model: Path, dtype: str, eager: bool, max_batched: int):
@@ -120,10 +121,22 @@ def main(argv: list[str] | None = None) -> int:
     native = measure(None)
     with running_pool(resolve(d, "bench")) as gen:
         print("CrossPool ...", file=sys.stderr, flush=True)
+        (mailbox_plan,) = gen.plan.mailboxes_of(d.model[0].id)
+        mailbox = Mailbox.open(mailbox_plan.name)
         pooled = measure(gen.plan_path)
+        # Every generated token is a step through every layer: else the plugin was not active and
+        # this compared native vLLM with itself.
+        steps = len(work) * args.output_len  # each batch decodes output_len steps
+        layers = gen.plan.model(d.model[0].id).num_layers
+        if mailbox.words[W_REQ_SEQ] < steps * layers:
+            raise SystemExit(
+                f"crosspool bench: the pool answered {mailbox.words[W_REQ_SEQ]} layer calls, "
+                f"expected at least {steps * layers}: CrossPool was not active in the engine"
+            )
         print("round trips ...", file=sys.stderr, flush=True)
         rt = round_trips(gen.plan, args.round_trips)
     result = {
+        "host": host.describe(),
         "model": str(model),
         "dtype": args.dtype,
         "mode": "eager" if args.eager else "compile",
