@@ -238,12 +238,16 @@ def shm_names() -> set[str]:
     return {p.name for p in SHM_DIR.iterdir()}
 
 
-def unlink_orphans(prefixes: tuple[str, ...], since: float, existing: set[str]) -> list[str]:
-    """Remove engines' leftovers: /dev/shm files with one of `prefixes`, not in `existing`,
-    modified at or after `since` (epoch seconds), that no process has open or mapped any more.
-    Engines killed by signal (SGLang stops its own children with SIGKILL) skip their unlink paths."""
+def engine_leftovers(prefixes: tuple[str, ...], since: float, existing: set[str]) -> list[Path]:
+    """/dev/shm files with one of `prefixes`, not in `existing`, modified at or after `since`."""
     candidates = [p for p in SHM_DIR.iterdir() if p.name.startswith(prefixes) and p.name not in existing]
-    candidates = [p for p in candidates if _mtime(p) >= since]
+    return [p for p in candidates if _mtime(p) >= since]
+
+
+def unlink_orphans(prefixes: tuple[str, ...], since: float, existing: set[str]) -> list[str]:
+    """Remove engines' leftovers (`engine_leftovers`) that no process has open or mapped any more.
+    Engines killed by signal (SGLang stops its own children with SIGKILL) skip their unlink paths."""
+    candidates = engine_leftovers(prefixes, since, existing)
     in_use = _shm_inodes_in_use() if candidates else set()
     removed = []
     for path in candidates:

@@ -8,14 +8,26 @@ per layer call on a 2-core host). Failures reach waiting ranks through the mailb
 
 from __future__ import annotations
 
+import time
+
 from crosspool.agents.process import AgentProcess
-from crosspool.ipc import supervisor_gone, unlink_segments
+from crosspool.ipc import (
+    ENGINE_LEFTOVERS,
+    engine_leftovers,
+    shm_names,
+    supervisor_gone,
+    unlink_orphans,
+    unlink_segments,
+)
 from crosspool.transport.mailbox import Mailbox
+
+ENGINES_GONE_S = 15.0  # how long a daemon-less AtnAgent waits for the engines' files to be let go
 
 
 class AtnAgent:
     def __init__(self, proc: AgentProcess) -> None:
         self.proc = proc
+        self.started, self.shm_before = time.time(), shm_names()
         owned = [mb for mb in proc.plan.mailboxes if mb.atn_agent == proc.id]
         self.mailboxes = [Mailbox.create(mb.name, mb.max_rows, mb.hidden, mb.dtype, mb.shards) for mb in owned]
 
@@ -27,8 +39,19 @@ class AtnAgent:
             for mb in self.mailboxes:
                 mb.seg.unlink()
             if supervisor_gone():
-                # Nobody else will clean up after members that died with the daemon.
-                unlink_segments(self.proc.plan.shm_prefix)
+                self.clean_up_after_the_daemon()
+
+    def clean_up_after_the_daemon(self) -> None:
+        """Nobody else will clean up after members that died with the daemon: the generation's
+        segments, and the engines' own leftovers once their processes let go of them (SGLang
+        SIGKILLs its children, which never unlink theirs; its server process still maps one)."""
+        unlink_segments(self.proc.plan.shm_prefix)
+        deadline = time.monotonic() + ENGINES_GONE_S
+        while True:
+            unlink_orphans(ENGINE_LEFTOVERS, self.started, self.shm_before)
+            if not engine_leftovers(ENGINE_LEFTOVERS, self.started, self.shm_before) or time.monotonic() > deadline:
+                return
+            time.sleep(0.2)
 
 
 def main(argv: list[str] | None = None) -> None:
