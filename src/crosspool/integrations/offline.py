@@ -13,16 +13,22 @@ import contextlib
 import importlib
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TypeVar
 
 from crosspool.config import ModelConfig
 from crosspool.integrations import launcher
 from crosspool.ipc import ENGINE_LEFTOVERS, shm_names, unlink_orphans
+
+T = TypeVar("T")
 
 
 def generate_in_child(
@@ -35,6 +41,7 @@ def generate_in_child(
     *,
     in_process_engine: bool = True,
     first_logits: list[list[int]] | None = None,
+    cpus: list[int] | None = None,
 ) -> dict:
     """Run the engine's offline `run` in a fresh process (native when `plan_path` is None) and
     return `{"runs": [{"tokens", "seconds", "generated"}, ...]}`, one run per batch. With
@@ -44,7 +51,10 @@ def generate_in_child(
     `in_process_engine` asks the engine to schedule every request of a batch together (vLLM: its
     EngineCore in the generating process), so batch composition, and with it the bf16 arithmetic
     of every kernel, does not depend on how fast requests reach a busy engine. Token-identity
-    checks need that; throughput measurements want the engine's default process layout."""
+    checks need that; throughput measurements want the engine's default process layout.
+
+    `cpus`: the CPUs the engine's processes may run on (default: this process's), so that two
+    runs side by side do not share a core."""
     module = f"crosspool.integrations.{model.engine}.offline"
     with tempfile.TemporaryDirectory(prefix="crosspool-offline-") as tmp:
         job_file, out = Path(tmp) / "job.json", Path(tmp) / "out.json"
@@ -54,6 +64,7 @@ def generate_in_child(
             "batches": batches,
             "max_tokens": max_tokens,
             "first_logits": first_logits,
+            "cpus": cpus,
             "out": str(out),
         }
         job_file.write_text(json.dumps(job))
@@ -76,8 +87,30 @@ def generate_in_child(
         return json.loads(out.read_text())
 
 
+def side_by_side(calls: Sequence[Callable[[list[int]], T]]) -> list[T]:
+    """Run `calls` concurrently, each given one CPU of this process's to keep to (`cpus` of
+    `generate_in_child`), at most one call per CPU at a time; results in order. Offline runs are
+    CPU-bound processes: two side by side on a 2-core host took 24 s where one after the other
+    took 48 s, with the same tokens."""
+    free: queue.Queue[int] = queue.Queue()
+    for cpu in sorted(os.sched_getaffinity(0)):
+        free.put(cpu)
+
+    def run(call: Callable[[list[int]], T]) -> T:
+        cpu = free.get()
+        try:
+            return call([cpu])
+        finally:
+            free.put(cpu)
+
+    with ThreadPoolExecutor(max(1, min(free.qsize(), len(calls)))) as pool:
+        return list(pool.map(run, calls))
+
+
 def child_main(run: object) -> None:
     """`__main__` of an engine's offline module: run the job file named in argv, write its result."""
     assert callable(run)
     job = json.loads(Path(sys.argv[1]).read_text())
+    if job.get("cpus"):  # before the engine is imported: its workers inherit it and bind within it
+        os.sched_setaffinity(0, job["cpus"])
     Path(job["out"]).write_text(json.dumps(run(job)))

@@ -15,12 +15,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from crosspool.integrations import ENGINES
+from crosspool import host
+from crosspool.integrations import ENGINES, launcher
 from crosspool.models.spec import load_ffn_spec
 from crosspool.qualify import ffn, serving
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(
         prog="crosspool qualify", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -55,6 +57,9 @@ def main(argv: list[str] | None = None) -> int:
         help="only the serving rows in this vLLM execution mode (repeatable; default: both)",
     )
     p.add_argument("--list", action="store_true", help="print the planned case names (JSON) and run nothing")
+    p.add_argument(
+        "--out", type=Path, default=None, help="also write a JSON report: host, arguments, summary, verdicts"
+    )
     args = p.parse_args(argv)
     for path in args.model:
         if not (path / "config.json").is_file():
@@ -64,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
         models = {**ffn.default_models(), **models}
     specs = {name: load_ffn_spec(path) for name, path in models.items()}
     engines = tuple(dict.fromkeys(args.engine)) if args.engine else ENGINES
+    for engine in engines:
+        for problem in launcher(engine).host_problems():
+            print(f"crosspool qualify: {engine} left out on this host: {problem}", file=sys.stderr)
     lanes = tuple(sorted(set(args.lanes))) if args.lanes else (1, 2)
     modes = tuple(dict.fromkeys(args.mode)) if args.mode else ("eager", "compile")
     planned = ffn.planned_cases(specs, engines) + (serving.planned_cases(lanes, modes) if args.serving else [])
@@ -87,6 +95,10 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(verdict), flush=True)
     failed = [v["case"] for v in verdicts if not v["pass"]]
     print(f"crosspool qualify: {len(verdicts) - len(failed)} of {len(verdicts)} cases pass", file=sys.stderr)
+    if args.out:
+        summary = {"cases": len(verdicts), "passed": len(verdicts) - len(failed), "failed": failed}
+        report = {"host": host.describe(), "argv": argv, "summary": summary, "verdicts": verdicts}
+        args.out.write_text(json.dumps(report, indent=1) + "\n")
     return 1 if failed else 0
 
 

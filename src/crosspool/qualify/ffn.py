@@ -31,7 +31,7 @@ from crosspool.agents.ffn.moe import RoutedMoeFfn
 from crosspool.agents.ffn.weights import load_layers
 from crosspool.config import parse_deployment
 from crosspool.daemon.daemon import running_pool
-from crosspool.integrations import kernels, serves
+from crosspool.integrations import kernels, launcher, serves
 from crosspool.models.spec import ModelFfnSpec, MoeFfn
 from crosspool.resolve import resolve
 from crosspool.transport.errors import FfnCallError
@@ -98,8 +98,9 @@ def errors(out: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
 
 
 def _engines_of(spec: ModelFfnSpec, engines: tuple[str, ...]) -> list[str]:
-    """The engines whose kernels the pool computes this model with: those serving its family."""
-    return [e for e in engines if serves(e, spec.architecture)]
+    """The engines whose kernels the pool computes this model with: those serving its family on
+    this host (`crosspool qualify` says which engines the host leaves out, and why)."""
+    return [e for e in engines if serves(e, spec.architecture) and not launcher(e).host_problems()]
 
 
 def _deployment(models: dict[str, Path], specs: dict[str, ModelFfnSpec], engines: tuple[str, ...]) -> str:
@@ -219,10 +220,12 @@ def qualify(specs: dict[str, ModelFfnSpec], engines: tuple[str, ...] = ("vllm",)
 
 
 def _structural(rank: RankTransport, spec: ModelFfnSpec, case: str) -> dict[str, Any]:
+    """Consecutive calls of random sizes and layers: the protocol, not the arithmetic (the
+    numerics cases cover 4096 rows; a 300-row bf16 SmolLM2 call cost ~40 ms on an AVX2 host)."""
     rng = random.Random(0)
     failures: list[str] = []
     for _ in range(STRUCTURAL_CALLS):
-        rows = rng.choice((1, 2, 7, 64, 300))
+        rows = rng.choice((1, 2, 7, 33, 64))
         x = torch.randn(rows, spec.hidden).to(torch.bfloat16)
         try:
             rank.call(rng.randrange(len(spec.layers)), x, torch.empty_like(x))

@@ -28,6 +28,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,7 @@ import torch
 from crosspool import envs
 from crosspool.config import parse_deployment
 from crosspool.daemon.daemon import running_pool
-from crosspool.integrations.offline import generate_in_child
+from crosspool.integrations.offline import generate_in_child, side_by_side
 from crosspool.ipc import bind_port
 from crosspool.qualify.ffn import MAX_NRMSE, MAX_SCALED, STRUCTURAL_CALLS, errors
 from crosspool.resolve import resolve
@@ -97,18 +98,18 @@ def _pool(rows: list[Row], path: Path, lanes: int) -> str:
     return f"[limits]\nmax_batched_tokens = {MAX_BATCHED}\n{agents}" + "".join(_model(r, path) for r in rows)
 
 
-def _offline(model: Any, work: list[list[int]], plan_path: Path | None) -> dict:
-    result = generate_in_child(model, MAX_BATCHED, [[p] for p in work], TOKENS, plan_path, first_logits=work)
-    return {"tokens": [run["tokens"][0] for run in result["runs"]], "logits": result["first_logits"]}
+def _offline(model: Any, work: list[list[int]], plan_path: Path | None, cpus: list[int], *, logits: bool) -> dict:
+    """Greedy tokens of each prompt generated alone, and with `logits` its first-step logits."""
+    first, batches = (work if logits else None), [[p] for p in work]
+    result = generate_in_child(model, MAX_BATCHED, batches, TOKENS, plan_path, first_logits=first, cpus=cpus)
+    return {"tokens": [run["tokens"][0] for run in result["runs"]], "logits": result.get("first_logits")}
 
 
 def native_references(path: Path, work: list[list[int]], mode: str) -> dict[int, dict]:
     """Native vLLM at attention TP 1 and 2 in `mode`: tokens and first-step logits per prompt."""
-    refs = {}
-    for tp in (1, 2):
-        d = parse_deployment(_pool([Row(tp, 1, 1, 1, mode)], path, 1))
-        refs[tp] = _offline(d.model[0], work, None)
-    return refs
+    models = {tp: parse_deployment(_pool([Row(tp, 1, 1, 1, mode)], path, 1)).model[0] for tp in (1, 2)}
+    runs = side_by_side([partial(_offline, m, work, None, logits=True) for m in models.values()])
+    return dict(zip(models, runs, strict=True))
 
 
 def _verdict(
@@ -136,17 +137,23 @@ def _verdict(
 def single_rank_rows(
     path: Path, work: list[list[int]], refs: dict[int, dict], lanes: int, mode: str
 ) -> Iterator[tuple]:
-    """Attention (1,1) and (2,1) x FFN TP {1, 2}: offline engines, one pool each (an offline
-    engine's exit after its run is a member exit for the pool's generation)."""
-    for row in (r for r in MATRIX if (r.lanes, r.mode) == (lanes, mode) and r.attention_dp == 1):
-        d = parse_deployment(_pool([row], path, lanes))
-        with running_pool(resolve(d)) as gen:
+    """Attention (1,1) and (2,1) x FFN TP {1, 2}: offline engines side by side, each on its own
+    model of one pool (an engine that ended its run leaves its slot registered; no other member
+    depends on it)."""
+    rows = [r for r in MATRIX if (r.lanes, r.mode) == (lanes, mode) and r.attention_dp == 1]
+    d = parse_deployment(_pool(rows, path, lanes))
+    with running_pool(resolve(d)) as gen:
+
+        def run(row: Row, model: Any, cpus: list[int]) -> tuple:
             (mailbox_plan,) = gen.plan.mailboxes_of(row.model_id)
             mailbox = Mailbox.open(mailbox_plan.name)
-            got = _offline(d.model[0], work, gen.plan_path)
+            same = row.ffn_tp == row.attention_tp  # vLLM's TP splits its MLP as FFN TP does
+            got = _offline(model, work, gen.plan_path, cpus, logits=not same)
             calls = mailbox.words[W_REQ_SEQ]  # the run ended without error: no call failed
-        what, same = f"native TP{row.attention_tp} {mode}", row.ffn_tp == row.attention_tp  # vLLM TP splits its MLP
-        yield row, got, _verdict(row, got, refs[row.attention_tp], what, same, calls, None)
+            what = f"native TP{row.attention_tp} {mode}"
+            return row, got, _verdict(row, got, refs[row.attention_tp], what, same, calls, None)
+
+        yield from side_by_side([partial(run, r, m) for r, m in zip(rows, d.model, strict=True)])
 
 
 @contextlib.contextmanager
