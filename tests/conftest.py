@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import time
-from collections.abc import Iterator, Set
+from collections.abc import Callable, Iterator, Set
 from pathlib import Path
 
 import pytest
@@ -119,17 +120,24 @@ def tiny_served(smollm2) -> Path:
     return make_tiny_checkpoint("qwen3", CACHE / "tiny" / "tiny-qwen3-tok", seed=0, tokenizer=smollm2)
 
 
-def model_toml(model_id: str, path: Path, engine: str = "vllm", **extra: object) -> str:
-    lines = [f'[[model]]\nid = "{model_id}"\npath = "{path}"\nengine = "{engine}"\nmax_model_len = 1024']
-    lines += [f"{k} = {str(v).lower() if isinstance(v, bool) else repr(v)}" for k, v in extra.items()]
-    return "\n".join(lines) + "\n"
+EXAMPLES = Path(__file__).parents[1] / "examples"
+
+
+def example_text(name: str, port: int, control_port: int) -> str:
+    """examples/NAME.toml as shipped, on the given ports, with its checkpoints under this host's
+    cache root (CROSSPOOL_CACHE)."""
+    text = (EXAMPLES / f"{name}.toml").read_text()
+    text = re.sub(r"(?m)^control_port = \d+.*\n", "", text)
+    text = re.sub(r"(?m)^port = \d+.*$", f"port = {port}\ncontrol_port = {control_port}", text)
+    assert f"port = {port}" in text, name
+    return text.replace('"~/.cache/crosspool/', f'"{envs.cache_root()}/')
 
 
 class RunningDaemon:
     """`crosspool daemon FILE` as a user runs it: a child process, its ready line, its stderr."""
 
-    def __init__(self, tmp: Path, body: str, *, name: str = "test", top: str = "", wait: bool = True) -> None:
-        """`top`: top-level keys of the deployment file; `body`: its tables after [limits]."""
+    def __init__(self, tmp: Path, text: Callable[[int, int], str], name: str) -> None:
+        """`text(port, control_port)`: the deployment file."""
         import sys
         import threading
 
@@ -137,10 +145,7 @@ class RunningDaemon:
 
         self.port, self.control_port = bind_port("127.0.0.1"), bind_port("127.0.0.1")
         self.file = tmp / f"{name}.toml"
-        self.file.write_text(
-            f'name = "{name}"\nport = {self.port}\ncontrol_port = {self.control_port}\n{top}'
-            f"[limits]\nmax_batched_tokens = 512\nffn_timeout_s = 5\n{body}"
-        )
+        self.file.write_text(text(self.port, self.control_port))
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "crosspool", "daemon", str(self.file)],
             stdout=subprocess.PIPE,
@@ -148,16 +153,10 @@ class RunningDaemon:
             text=True,
         )
         self.stderr: list[str] = []
-        self.stdout: list[str] = []
         threading.Thread(target=lambda: self.stderr.extend(self.proc.stderr), daemon=True).start()
         self.url = f"http://127.0.0.1:{self.port}"
         self.control = f"http://127.0.0.1:{self.control_port}"
-        if wait:
-            self.wait_ready_line()
-
-    def wait_ready_line(self) -> None:
         line = self.proc.stdout.readline()  # the ready line, or EOF if the daemon failed
-        self.stdout.append(line)
         assert line.startswith("crosspool: ready in"), "".join(self.stderr[-40:])
 
     def status(self) -> dict:
@@ -177,3 +176,59 @@ class RunningDaemon:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+
+
+class LiveDeployment:
+    """One deployment shared by a module's tests: `get()` returns it running, and starts it anew
+    if an earlier test ended it, so each test passes alone as well as after the others."""
+
+    def __init__(self, tmp: Path, text: Callable[[int, int], str], name: str) -> None:
+        self.tmp, self.text, self.name = tmp, text, name
+        self.daemon: RunningDaemon | None = None
+
+    def get(self) -> RunningDaemon:
+        if self.daemon is None or self.daemon.proc.poll() is not None:
+            self.close()
+            self.daemon = RunningDaemon(self.tmp, self.text, self.name)
+        return self.daemon
+
+    def close(self) -> None:
+        if self.daemon is not None:
+            try:
+                self.daemon.stop()
+            finally:
+                self.daemon.kill()
+            self.daemon = None
+
+
+def native_and_pooled(deployment_text: str, work: list[list[int]], tokens: int) -> tuple[list, list, int]:
+    """Greedy tokens of `work` (one batch) from the deployment's only model, natively and through
+    a real FFN pool, side by side on different CPUs; and the layer calls the pool answered."""
+    from crosspool.config import parse_deployment
+    from crosspool.daemon.daemon import running_pool
+    from crosspool.integrations.offline import generate_in_child, side_by_side
+    from crosspool.resolve import resolve
+    from crosspool.transport.mailbox import W_REQ_SEQ, Mailbox
+
+    d = parse_deployment(deployment_text)
+    (m,) = d.model
+    limit = d.limits.max_batched_tokens
+    with running_pool(resolve(d)) as gen:
+        (mailbox_plan,) = gen.plan.mailboxes_of(m.id)
+        native, pooled = side_by_side(
+            [
+                lambda cpus: generate_in_child(m, limit, [work], tokens, None, cpus=cpus),
+                lambda cpus: generate_in_child(m, limit, [work], tokens, gen.plan_path, cpus=cpus),
+            ]
+        )
+        calls = Mailbox.open(mailbox_plan.name).words[W_REQ_SEQ]
+    return native["runs"][0]["tokens"], pooled["runs"][0]["tokens"], calls
+
+
+def skip_unless_sglang_path() -> None:
+    """Skip, saying why, where CrossPool refuses SGLang's CPU path on this host (config check)."""
+    from crosspool.integrations.sglang.launch import host_problems
+
+    problems = host_problems()
+    if problems:
+        pytest.skip(problems[0])

@@ -7,13 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from crosspool.config import parse_deployment
-from crosspool.daemon.daemon import running_pool
-from crosspool.integrations.offline import generate_in_child
+from conftest import native_and_pooled
 from crosspool.models.spec import load_ffn_spec
 from crosspool.qualify.serving import prompts
-from crosspool.resolve import resolve
-from crosspool.transport.mailbox import W_REQ_SEQ, Mailbox
 
 pytestmark = pytest.mark.engine
 MAX_BATCHED, TOKENS = 512, 32
@@ -25,7 +21,8 @@ MAX_BATCHED, TOKENS = 512, 32
 )
 def test_token_identical_to_native(family, mode, tiny_models, no_leftovers):
     path = tiny_models[family]
-    d = parse_deployment(f'''
+    native, pooled, calls = native_and_pooled(
+        f'''
 [limits]
 max_batched_tokens = {MAX_BATCHED}
 [[model]]
@@ -34,13 +31,10 @@ path = "{path}"
 engine = "vllm"
 max_model_len = 512
 enforce_eager = {str(mode == "eager").lower()}
-''')
-    m, work = d.model[0], prompts(512)
-    native = generate_in_child(m, MAX_BATCHED, [work], TOKENS, None)["runs"][0]["tokens"]
-    with running_pool(resolve(d)) as gen:
-        (mailbox_plan,) = gen.plan.mailboxes_of(m.id)
-        pooled = generate_in_child(m, MAX_BATCHED, [work], TOKENS, gen.plan_path)["runs"][0]["tokens"]
-        calls = Mailbox.open(mailbox_plan.name).words[W_REQ_SEQ]
+''',
+        prompts(512),
+        TOKENS,
+    )
     assert all(len(t) == TOKENS for t in native)
     # every step calls every layer: a plugin that did not activate would compare native with native
     assert calls >= TOKENS * len(load_ffn_spec(path).layers), calls

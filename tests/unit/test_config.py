@@ -71,8 +71,9 @@ def _single_error(r: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
-@pytest.mark.parametrize("command", ["daemon", "config check"])
-def test_bad_inputs_fail_with_one_line(tmp_path, tiny_models, command, no_leftovers):
+def test_bad_inputs_fail_with_one_line(tmp_path, tiny_models, no_leftovers):
+    """`crosspool config check` names each problem in one line; `crosspool daemon` runs the same
+    check and refuses before it starts any process."""
     unsupported = tmp_path / "unsupported"
     unsupported.mkdir()
     (unsupported / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
@@ -91,8 +92,10 @@ def test_bad_inputs_fail_with_one_line(tmp_path, tiny_models, command, no_leftov
     for name, (text, needle) in cases.items():
         f = tmp_path / name
         f.write_text(text)
-        line = _single_error(_cli(*command.split(), str(f)))
+        line = _single_error(_cli("config", "check", str(f)))
         assert needle in line, line
+    line = _single_error(_cli("daemon", str(tmp_path / "option.toml")))
+    assert "engine_args.enable_lora: not supported with CrossPool" in line, line
 
 
 def test_memory_budget_refused_with_amount(tmp_path, tiny_models):
@@ -142,3 +145,29 @@ def test_sglang_command_and_refusals(tiny_models):
     moe = parse_deployment(_toml(tiny_models["qwen3_moe"]).replace('engine = "vllm"', 'engine = "sglang"'))
     with pytest.raises(ConfigError, match="Qwen3MoeForCausalLM is not served through sglang with CrossPool"):
         resolve(moe)
+
+
+def test_restart_decision(tiny_models):
+    from crosspool.daemon.daemon import no_restart
+
+    d = parse_deployment(_toml(tiny_models["qwen3"], extra="restart = true\nmax_restarts = 2"))
+    assert no_restart(d, 2, "exit", 1, False) is None
+    assert no_restart(d, 3, "heartbeat", 2, False) == "max_restarts = 2 reached"
+    assert no_restart(d, 1, "startup", 0, False) is not None  # a configuration problem: not retried
+    assert no_restart(d, 1, "exit", 0, False) is None  # a member of a started first generation failed
+    assert no_restart(d, 2, "exit", 0, True) == "a stop was requested"
+    assert no_restart(parse_deployment(_toml(tiny_models["qwen3"])), 1, "exit", 0, False) == "restart = false"
+
+
+def test_every_example_deployment_resolves(smollm2, tiny_served):
+    """Each shipped example passes the deployment check (the two with SmolLM2 alone are also
+    served in test_deployments.py)."""
+    from conftest import EXAMPLES, example_text
+    from crosspool.resolve import resolve
+
+    names = sorted(p.stem for p in EXAMPLES.glob("*.toml"))
+    assert names == ["mixed-engines", "smollm2", "two-models"]
+    for name in names:
+        d = resolve(parse_deployment(example_text(name, 18000, 18001), name)).deployment
+        smollm2_models = [m for m in d.model if m.path == smollm2.resolve()]
+        assert smollm2_models and all(m.dtype == "float32" for m in smollm2_models)  # the right answer on every CPU

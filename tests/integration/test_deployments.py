@@ -1,0 +1,262 @@
+"""The shipped example deployments through `crosspool daemon`, as a user runs them (real engines,
+real agents, real HTTP; only the ports and the cache root are this test's):
+
+* examples/smollm2.toml, the demo: the demo question is answered ("Paris"), readiness, status
+  (API and `crosspool status`), metrics that show the pool computed the layers, a clean stop
+  (exit 0, ports free, nothing left behind);
+* examples/mixed-engines.toml, SmolLM2 through vLLM and through SGLang on one FFN pool,
+  `restart = true`: both answer the demo question and serve concurrently token-identical to their
+  native engines; each kind of member killed under load (an FfnAgent, the vLLM rank, the SGLang
+  scheduler) ends every in-flight request within 10 s, correctly or with a 503 naming it, and the
+  next generation serves the same tokens; the daemon's own death ends everything.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from conftest import (
+    LiveDeployment,
+    assert_nothing_left,
+    crosspool_shm,
+    example_text,
+    project_processes,
+    skip_unless_sglang_path,
+)
+from crosspool.config import parse_deployment
+from crosspool.integrations.offline import generate_in_child, side_by_side
+from crosspool.qualify.serving import prompts
+
+pytestmark = pytest.mark.engine
+
+DEMO_QUESTION = {"role": "user", "content": "What is the capital of France?"}
+VLLM, SGLANG = "smollm2-vllm", "smollm2-sglang"
+MIXED = (VLLM, SGLANG)
+TOKENS = 24
+KILL_BOUND_S = 10.0
+WORK = prompts(49152, 4, seed=1)  # SmolLM2's vocabulary
+
+
+def _live(name: str, tmp_path_factory: pytest.TempPathFactory):
+    shm, procs = crosspool_shm(), set(project_processes())
+    live = LiveDeployment(tmp_path_factory.mktemp(name), lambda port, control: example_text(name, port, control), name)
+    yield live
+    live.close()
+    assert_nothing_left(shm, 30, procs)
+
+
+@pytest.fixture(scope="module")
+def demo(smollm2, tmp_path_factory):
+    yield from _live("smollm2", tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def mixed(smollm2, tmp_path_factory):
+    skip_unless_sglang_path()
+    yield from _live("mixed-engines", tmp_path_factory)
+
+
+def _chat(url: str, model: str) -> dict:
+    body = {"model": model, "temperature": 0, "max_tokens": 24, "messages": [DEMO_QUESTION]}
+    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _answer(chat: dict) -> str:
+    return chat["choices"][0]["message"]["content"]
+
+
+def _metric(text: str, line_start: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(line_start))
+
+
+def test_demo_answers_the_demo_question(demo):
+    d = demo.get()
+    assert [m["id"] for m in httpx.get(d.url + "/v1/models").json()["data"]] == ["smollm2-135m"]
+    assert httpx.get(d.control + "/ready").json()["ready"] is True
+    chat = _chat(d.url, "smollm2-135m")
+    assert "Paris" in _answer(chat), chat
+    r = httpx.post(d.url + "/v1/completions", json={"model": "nope", "prompt": "x"})
+    assert r.status_code == 404 and "smollm2-135m" in r.json()["error"]["message"]
+    status = d.status()
+    assert status["phase"] == "ready" and status["models"]["smollm2-135m"]["state"] == "serving"
+    assert all(m["registered"] for m in status["members"])
+    table = subprocess.run(
+        [sys.executable, "-m", "crosspool", "status", str(d.file)], capture_output=True, text=True, timeout=60
+    )
+    assert table.returncode == 0 and "Instance 'smollm2-135m' rank 0" in table.stdout, table.stderr
+    assert "serving" in table.stdout and "ready" in table.stdout, table.stdout
+    time.sleep(1.5)  # a heartbeat or two: the front, the rank and the FfnAgent report their counters
+    metrics = httpx.get(d.control + "/metrics").text
+    assert _metric(metrics, 'crosspool_requests_total{code="2xx",model="smollm2-135m"}') >= 1, metrics
+    # 30 layers a step, a step a token: the pool, not the engine, computed the FFN of every one
+    steps = chat["usage"]["completion_tokens"]
+    assert _metric(metrics, 'crosspool_ffn_call_seconds_count{model="smollm2-135m"}') >= 30 * steps
+    assert _metric(metrics, 'crosspool_ffn_executed_total{agent="ffn0",model="smollm2-135m"}') >= 30 * steps
+
+
+def test_demo_stops_cleanly(demo):
+    d = demo.get()
+    ports = [d.port, d.control_port, int(d.status()["models"]["smollm2-135m"]["url"].rsplit(":", 1)[1])]
+    assert d.stop() == 0
+    for port in ports:
+        with socket.socket() as probe:
+            assert probe.connect_ex(("127.0.0.1", port)) != 0, f"port {port} still listens"
+    # the fixture then checks that no process and no shared-memory segment is left
+
+
+@pytest.fixture(scope="module")
+def native(smollm2) -> dict[str, list[list[int]]]:
+    """Each engine natively, each prompt generated alone (as the served requests are)."""
+    skip_unless_sglang_path()
+    d = parse_deployment(example_text("mixed-engines", 8000, 8001))
+    batches, limit = [[p] for p in WORK], d.limits.max_batched_tokens
+    runs = side_by_side(
+        [lambda cpus, m=m: generate_in_child(m, limit, batches, TOKENS, None, cpus=cpus) for m in d.model]
+    )
+    return {m.id: [r["tokens"][0] for r in run["runs"]] for m, run in zip(d.model, runs, strict=True)}
+
+
+def _complete(
+    url: str, model: str, prompt: list[int], *, stream: bool = False, timeout: float = 120
+) -> tuple[int, object]:
+    """(status, token ids) of a greedy completion; (503, the error) when it failed."""
+    body = {"model": model, "prompt": prompt, "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True}
+    body["return_token_ids"] = True
+    if not stream:
+        r = httpx.post(url + "/v1/completions", json=body, timeout=timeout)
+        return r.status_code, r.json()["choices"][0]["token_ids"] if r.status_code == 200 else r.text
+    tokens: list[int] = []
+    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=timeout) as r:
+        if r.status_code != 200:  # refused before the stream began: a plain error body
+            return r.status_code, r.read().decode()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                return 503, json.dumps(event)
+            tokens += event["choices"][0].get("token_ids") or []
+        return r.status_code, tokens
+
+
+def test_mixed_engines_serve_concurrently_like_native(mixed, native):
+    d = mixed.get()
+    assert sorted(m["id"] for m in httpx.get(d.url + "/v1/models").json()["data"]) == sorted(MIXED)
+    got: dict[str, list[object]] = {}
+
+    def serve(model: str) -> None:  # one request at a time per model, both engines at once
+        got[model] = [_complete(d.url, model, p, stream=i == 1)[1] for i, p in enumerate(WORK)]
+
+    threads = [threading.Thread(target=serve, args=(m,)) for m in MIXED]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert got == native
+    for model in MIXED:
+        assert "Paris" in _answer(_chat(d.url, model))
+    status = d.status()
+    assert {m: s["state"] for m, s in status["models"].items()} == dict.fromkeys(MIXED, "serving")
+    assert {a for m in MIXED for a in status["models"][m]["ffn_agents"]} == {"ffn0", "ffn1"}  # one pool
+
+
+class Load:
+    """Requests on both models in a loop (plain and streaming), each recorded with its end time."""
+
+    def __init__(self, url: str) -> None:
+        self.url, self.stop = url, threading.Event()
+        self.results: list[tuple[str, int, int, object, float]] = []
+        self.threads = [
+            threading.Thread(target=self.run, args=(model, stream), daemon=True)
+            for model in MIXED
+            for stream in (False, True)
+        ]
+        for t in self.threads:
+            t.start()
+
+    def run(self, model: str, stream: bool) -> None:
+        i = 0
+        while not self.stop.is_set():
+            try:
+                status, got = _complete(self.url, model, WORK[i % len(WORK)], stream=stream, timeout=60)
+            except httpx.HTTPError as e:
+                status, got = 0, f"{type(e).__name__}: {e}"
+            self.results.append((model, i % len(WORK), status, got, time.monotonic()))
+            i += 1
+
+    def join_within(self, killed_at: float) -> None:
+        """No new requests; every one in flight at the kill must end within KILL_BOUND_S."""
+        self.stop.set()
+        for t in self.threads:
+            t.join(timeout=max(0.0, killed_at + KILL_BOUND_S - time.monotonic()))
+            assert not t.is_alive(), f"a request was still open {KILL_BOUND_S:g} s after the kill"
+
+
+def _ready_generation(d, at_least: int, timeout: float = 400) -> int:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        assert d.proc.poll() is None, "".join(d.stderr[-40:])
+        try:
+            r = httpx.get(d.control + "/ready", timeout=2).json()
+            if r["ready"] and r["generation"] >= at_least:
+                return int(r["generation"])
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise AssertionError(f"no generation >= {at_least} became ready: " + "".join(d.stderr[-40:]))
+
+
+@pytest.mark.parametrize(
+    ("victim", "named"),
+    [
+        ("FfnAgent 'ffn0'", "FfnAgent 'ffn0'"),
+        (f"Instance '{VLLM}' rank 0", f"Instance '{VLLM}'"),  # its Worker process
+        (f"Instance '{SGLANG}' rank 0", f"Instance '{SGLANG}'"),  # its scheduler process
+    ],
+)
+def test_killed_member_fails_requests_then_next_generation_serves(mixed, native, victim, named):
+    d = mixed.get()
+    generation = _ready_generation(d, 1)
+    load = Load(d.url)
+    time.sleep(4)  # requests in flight on both models
+    killed_at = time.monotonic()
+    os.kill(d.pid_of(victim), signal.SIGKILL)
+    load.join_within(killed_at)
+    errors = [r for r in load.results if r[2] != 200]
+    assert errors, "killing a member failed no request"
+    for model, prompt, status, got, _ in load.results:
+        if status == 200:
+            assert got == native[model][prompt], f"{model} answered without the FFN pool's arithmetic"
+        else:
+            assert status == 503 and "CrossPool deployment failed" in str(got), (status, got)
+    assert any(named in str(r[3]) for r in errors), [str(r[3])[:300] for r in errors]
+    _ready_generation(d, generation + 1)
+    for model in MIXED:
+        assert _complete(d.url, model, WORK[0]) == (200, native[model][0])
+
+
+def test_killed_daemon_ends_everything(mixed, native):
+    d = mixed.get()
+    _ready_generation(d, 1)
+    load = Load(d.url)
+    time.sleep(4)
+    killed_at = time.monotonic()
+    d.proc.kill()
+    load.join_within(killed_at)
+    ended = [r for r in load.results if r[4] > killed_at]
+    assert ended, "no request was in flight when the daemon died"
+    for model, prompt, status, got, _ in ended:
+        assert status != 200 or got == native[model][prompt], got
+    # the fixture then checks that no process and no shared-memory segment is left
