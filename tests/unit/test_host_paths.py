@@ -1,6 +1,6 @@
 """Host-dependent engine paths, with the engines' CPU-feature detection forced to the other kind
 of host: what the FFN pool computes with (vLLM's own MoE kernel choice) or refuses (SGLang's
-AMX path), without running AMX instructions (the AVX2 build of vLLM's kernels has none)."""
+AMX path), without running AMX instructions on a CPU that has none."""
 
 from __future__ import annotations
 
