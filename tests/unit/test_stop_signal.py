@@ -29,7 +29,11 @@ def test_signal_burst_ends_the_wait():
                 break
             child.send_signal(signal.SIGTERM)
     try:
-        assert [child.wait(timeout=10) for child in children] == [0] * 4
+        # Every child ends (a deadlock would time out here). A SIGTERM of the burst that lands after
+        # the wait ended, while the interpreter finalizes and has restored the default handler, ends
+        # the child by that signal instead of exit code 0.
+        codes = [child.wait(timeout=10) for child in children]
+        assert set(codes) <= {0, -signal.SIGTERM}, codes
     finally:
         for child in children:
             child.kill()
