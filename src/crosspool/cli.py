@@ -84,6 +84,11 @@ def cmd_config_check(args: argparse.Namespace) -> int:
         }
         for m in deployment.model
     }
+    resolved["cpus"] = {
+        "control": plan.control_cpus,
+        "ranks": {m.id: m.rank_cpus for m in plan.models},
+        "ffn_agents": {a.id: a.cpus for a in plan.ffn_agents},
+    }
     print(json.dumps(resolved, indent=2))
     return 0
 
@@ -178,7 +183,7 @@ def parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_models_spec)
 
     # Dispatched in main() before parsing, so every option reaches the benchmark's own parser.
-    sub.add_parser("bench", help="native vLLM vs CrossPool overhead (`crosspool bench --help`)", add_help=False)
+    sub.add_parser("bench", help="benchmarks: overhead, executor (`crosspool bench --help`)", add_help=False)
     sub.add_parser(
         "qualify", help="FFN numerics and structure against references (`crosspool qualify --help`)", add_help=False
     )
@@ -192,9 +197,9 @@ def main(argv: list[str] | None = None) -> None:
 
         sys.exit(command.main(argv[1:]))
     if argv[:1] == ["bench"]:
-        from crosspool.bench import overhead
+        from crosspool.bench import command as bench
 
-        sys.exit(overhead.main(argv[1:]))
+        sys.exit(bench.main(argv[1:]))
     args = parser().parse_args(argv)
     try:
         code = args.func(args)

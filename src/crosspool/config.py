@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 Name = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9._-]{0,47}$")]
+Cpu = Annotated[int, Field(ge=0, le=4095)]
 
 
 class ConfigError(ValueError):
@@ -59,6 +60,8 @@ class FfnAgentConfig(_Strict):
     vs 259 us single-threaded)."""
     lanes: int = Field(1, ge=1, le=64)
     """Executor lanes: layer calls of different Instances this agent computes concurrently."""
+    cpus: list[Cpu] | None = Field(None, min_length=1)
+    """CPUs this agent runs on; default: those of the ranks whose layers it computes (crosspool/cpus.py)."""
 
 
 class ModelConfig(_Strict):
@@ -85,6 +88,16 @@ class ModelConfig(_Strict):
     torch.compile decode graph is refused), so the flag does not change an SGLang Instance."""
     engine_args: dict[str, Any] = Field(default_factory=dict)
     """Extra engine arguments (vLLM EngineArgs or SGLang ServerArgs names); unsupported ones are refused."""
+    rank_cpus: list[Annotated[list[Cpu], Field(min_length=1)]] | None = None
+    """CPUs of each engine rank (dp_rank * attention_tp + tp_rank order), e.g. [[0], [1]] for two
+    ranks; default: planned (crosspool/cpus.py)."""
+
+    @model_validator(mode="after")
+    def _rank_cpus_per_rank(self) -> ModelConfig:
+        ranks = self.attention_tp * self.attention_dp
+        if self.rank_cpus is not None and len(self.rank_cpus) != ranks:
+            raise ValueError(f"rank_cpus: one CPU list per engine rank ({ranks}) (got {len(self.rank_cpus)})")
+        return self
 
     @field_validator("path")
     @classmethod
@@ -108,6 +121,9 @@ class Deployment(_Strict):
     """After a failure, start a new generation instead of stopping (at most max_restarts times)."""
     max_restarts: int = Field(3, ge=0, le=100)
     limits: Limits = Limits()
+    control_cpus: list[Cpu] | None = Field(None, min_length=1)
+    """CPUs of the roles off the layer-call path: the daemon, the front, the AtnAgents and the engines'
+    processes other than their ranks; default: the last CPU this host allows (crosspool/cpus.py)."""
     attention_device: list[AttentionDevice] = Field(default_factory=lambda: [AttentionDevice(id="atn0")])
     ffn_agent: list[FfnAgentConfig] = Field(default_factory=lambda: [FfnAgentConfig(id="ffn0")])
     model: list[ModelConfig] = Field(min_length=1)

@@ -1,8 +1,9 @@
-"""Shared-memory segments, futex waits and peer liveness: the primitives Transport and Fabric stand on.
+"""Shared-memory segments, process-shared semaphores and peer liveness: the primitives Transport
+and Fabric stand on.
 
 Segments are plain files in /dev/shm (no multiprocessing.resource_tracker, which unlinks
 segments behind the back of attaching processes). Waiters spin for SPIN_S (none by default),
-then block on a futex word in the segment; every wait is sliced so liveness checks run while
+then block on a semaphore in the segment; every wait is sliced so liveness checks run while
 blocked.
 x86-64 keeps stores in program order (TSO), so "write payload, then publish a sequence
 word" is enough between processes; other architectures would need explicit fences.
@@ -11,9 +12,9 @@ word" is enough between processes; other architectures would need explicit fence
 from __future__ import annotations
 
 import ctypes
+import functools
 import mmap
 import os
-import platform
 import select
 import signal
 import socket
@@ -32,34 +33,11 @@ SHM_PREFIX = "crosspool-"
 # semaphores and shared memory, SGLang's load snapshots and message queues.
 ENGINE_LEFTOVERS = ("sem.mp-", "psm_", "sglang_", "sgl_shm_")
 
-_SYS_FUTEX = {"x86_64": 202, "aarch64": 98}[platform.machine()]
-_FUTEX_WAIT = 0
-_FUTEX_WAKE = 1
-_INT_MAX = 2**31 - 1
 _libc = ctypes.CDLL(None, use_errno=True)
-_libc.syscall.restype = ctypes.c_long
 
 
 class _Timespec(ctypes.Structure):
     _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
-
-
-def futex_wait(addr: int, expected: int, timeout_s: float) -> None:
-    """Block while the u32 at `addr` equals `expected`, at most `timeout_s` (spurious wakes allowed)."""
-    ts = _Timespec(int(timeout_s), int((timeout_s % 1.0) * 1e9))
-    _libc.syscall(
-        _SYS_FUTEX,
-        ctypes.c_void_p(addr),
-        _FUTEX_WAIT,
-        ctypes.c_uint32(expected),
-        ctypes.byref(ts),
-        None,
-        0,
-    )
-
-
-def futex_wake(addr: int) -> None:
-    _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(addr), _FUTEX_WAKE, _INT_MAX, None, None, 0)
 
 
 _CLOCK_MONOTONIC = 1
@@ -78,18 +56,24 @@ class Semaphore:
         self.seg = seg  # keeps the mapping alive
         self._addr = ctypes.c_void_p(seg.addr + offset)
         self._deadline = _Timespec()
+        self._wait_args = (self._addr, _CLOCK_MONOTONIC, ctypes.byref(self._deadline))
         if create and _libc.sem_init(self._addr, 1, 0) != 0:
             raise OSError(ctypes.get_errno(), "sem_init failed")
+        self.post: Callable[[], int] = functools.partial(_libc.sem_post, self._addr)
+        """Add one count (a process-shared atomic increment; a wake only if a waiter sleeps)."""
 
-    def post(self) -> None:
-        _libc.sem_post(self._addr)
+    @property
+    def address(self) -> int:
+        """Where the `sem_t` lies in this process (for the C ends of a call)."""
+        assert self._addr.value is not None
+        return self._addr.value
 
     def wait(self, timeout_s: float) -> bool:
         """Take one count; False if none came within `timeout_s` (or a signal interrupted)."""
-        at = time.clock_gettime(time.CLOCK_MONOTONIC) + timeout_s
+        at = time.monotonic() + timeout_s  # CLOCK_MONOTONIC
         self._deadline.tv_sec = int(at)
         self._deadline.tv_nsec = int((at % 1.0) * 1e9)
-        return _libc.sem_clockwait(self._addr, _CLOCK_MONOTONIC, ctypes.byref(self._deadline)) == 0
+        return _libc.sem_clockwait(*self._wait_args) == 0
 
     def try_take(self) -> bool:
         return _libc.sem_trywait(self._addr) == 0
@@ -183,6 +167,9 @@ class Segment:
         anchor = ctypes.c_char.from_buffer(self.mm)
         self.addr = ctypes.addressof(anchor)
         del anchor
+
+    def mm_view(self, start: int, end: int) -> memoryview:
+        return memoryview(self.mm)[start:end]
 
     def word_addr(self, index: int) -> int:
         return self.addr + 4 * index
@@ -284,6 +271,11 @@ class Peer:
     def __str__(self) -> str:
         return f"{self.role} {self.name!r} (pid {self.pid})"
 
+    @property
+    def fd(self) -> int:
+        """The pidfd (-1: the process was gone when this Peer was made)."""
+        return -1 if self._fd is None else self._fd
+
     def alive(self) -> bool:
         if self._fd is None:
             return False
@@ -297,39 +289,8 @@ class Peer:
 # with none. Hosts with cores to spare can set CROSSPOOL_SPIN_US (envs.SPIN_US).
 SPIN_S = envs.spin_s()
 SLICE_S = 0.05
-
-
-def wait_word_change(
-    seg: Segment,
-    index: int,
-    old: int,
-    *,
-    deadline: float | None,
-    check: Callable[[], None] = lambda: None,
-    spin_s: float = SPIN_S,
-) -> int:
-    """Wait until word `index` differs from `old`; spin `spin_s`, then block in slices, calling
-    `check` between slices (it raises to abort). Raises TimeoutError past `deadline`
-    (time.monotonic()); None means "until `check` raises", for idle waits on work."""
-    words = seg.words
-    spin_end = time.perf_counter() + spin_s
-    while time.perf_counter() < spin_end:
-        value = words[index]
-        if value != old:
-            return value
-    addr = seg.word_addr(index)
-    while True:
-        value = words[index]
-        if value != old:
-            return value
-        check()
-        slice_s = SLICE_S
-        if deadline is not None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError
-            slice_s = min(slice_s, left)
-        futex_wait(addr, old, slice_s)
+"""A blocked wait wakes at least this often to look at what it cannot be woken for (a peer's exit,
+its bound, a stop request)."""
 
 
 def bind_port(host: str, port: int = 0) -> int:

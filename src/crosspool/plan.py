@@ -9,6 +9,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict
 
 from crosspool.config import Deployment
+from crosspool.cpus import CpuPlan
 from crosspool.ipc import SHM_PREFIX, bind_port
 from crosspool.models.spec import ActivationMath, ModelFfnSpec
 from crosspool.transport.mailbox import RankLayout
@@ -34,11 +35,17 @@ class ModelPlan(_Frozen):
     """The FFN activation precision of the Instance's execution mode (engine-specific, see dense.py)."""
     attention_tp: int
     attention_dp: int
+    rank_cpus: list[list[int]]
+    """Per engine rank, the CPUs it runs on (the engine binds its workers there)."""
 
     @property
     def ranks(self) -> int:
         """Engine ranks (workers): rank = dp_rank * attention_tp + tp_rank."""
         return self.attention_tp * self.attention_dp
+
+    def agents(self) -> list[str]:
+        """The FfnAgents that compute any of the model's layers."""
+        return sorted({a for group in self.layer_agents for a in group})
 
     def layers_on(self, agent: str) -> list[int]:
         return [layer for layer, group in enumerate(self.layer_agents) if agent in group]
@@ -66,6 +73,7 @@ class FfnAgentPlan(_Frozen):
     lanes: int
     models: list[str]
     weight_bytes: int
+    cpus: list[int]
 
 
 class Plan(_Frozen):
@@ -80,6 +88,8 @@ class Plan(_Frozen):
     """The daemon's control API: members register and send heartbeats there."""
     ffn_timeout_s: float
     heartbeat_interval_s: float
+    control_cpus: list[int]
+    """Where the daemon, the front, the AtnAgents and the engines' non-rank processes run."""
     models: list[ModelPlan]
     atn_agents: list[str]
     ffn_agents: list[FfnAgentPlan]
@@ -111,7 +121,7 @@ class Plan(_Frozen):
         to: its DP rank's mailbox and the FfnAgents of its layers."""
         model = self.model(model_id)
         assert 0 <= rank < model.ranks, (rank, model.ranks)
-        agents = sorted({a for group in model.layer_agents for a in group})
+        agents = model.agents()
         return RankLayout(
             model=model_id,
             mailbox=self.mailboxes_of(model_id)[rank // model.attention_tp].name,
@@ -128,11 +138,13 @@ def build_plan(
     specs: dict[str, ModelFfnSpec],
     placement: dict[str, list[list[str]]],
     activation_math: dict[str, ActivationMath],
+    cpus: CpuPlan,
     *,
     generation: int = 1,
 ) -> Plan:
     """The immutable plan of one generation; each generation gets fresh segment names.
-    `placement` and `activation_math` are per model id (from `crosspool.resolve`)."""
+    `placement` and `activation_math` are per model id, `cpus` the CPU placement (from
+    `crosspool.resolve`)."""
     token = secrets.token_hex(4)
     prefix = f"{SHM_PREFIX}{token}-"
     models: list[ModelPlan] = []
@@ -154,6 +166,7 @@ def build_plan(
                 activation_math=activation_math[m.id],
                 attention_tp=m.attention_tp,
                 attention_dp=m.attention_dp,
+                rank_cpus=cpus.ranks[m.id],
             )
         )
         mailboxes += [
@@ -186,6 +199,7 @@ def build_plan(
                 lanes=agent.lanes,
                 models=[model for model, layers in held.items() if layers],
                 weight_bytes=weight_bytes,
+                cpus=cpus.ffn_agents[agent.id],
             )
         )
     limits = deployment.limits
@@ -199,6 +213,7 @@ def build_plan(
         control_url=f"http://{deployment.host}:{deployment.control}",
         ffn_timeout_s=limits.ffn_timeout_s,
         heartbeat_interval_s=limits.heartbeat_interval_s,
+        control_cpus=cpus.control,
         models=models,
         atn_agents=[a.id for a in deployment.attention_device],
         ffn_agents=agents,

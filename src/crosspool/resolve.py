@@ -1,5 +1,5 @@
-"""A deployment checked against the engines and the checkpoints before any process starts:
-engine options, model specs, FFN placement within the agents' budgets. The result builds each
+"""A deployment checked against the engines, the checkpoints and this host before any process
+starts: engine options, model specs, FFN placement within the agents' budgets, CPU placement. The result builds each
 generation's plan (`plan.py`), handing it the engine facts as values."""
 
 from __future__ import annotations
@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from crosspool.config import ConfigError, Deployment, load_deployment
+from crosspool.cpus import CpuPlan, host_cpus, plan_cpus
+from crosspool.cpus import problems as cpu_problems
 from crosspool.integrations import launcher, serves
 from crosspool.models.spec import ActivationMath, ModelFfnSpec, ModelSpecError, load_ffn_spec
 from crosspool.placement import ModelLayers, PlacementError, place_layers
@@ -64,22 +66,27 @@ class Resolved:
     placement: dict[str, list[list[str]]]
     activation_math: dict[str, ActivationMath]
     """Per model, the FFN activation precision of its engine's execution mode."""
+    cpus: CpuPlan
 
     def plan(self, generation: int = 1) -> Plan:
-        return build_plan(self.deployment, self.specs, self.placement, self.activation_math, generation=generation)
+        return build_plan(
+            self.deployment, self.specs, self.placement, self.activation_math, self.cpus, generation=generation
+        )
 
 
 def resolve(deployment: Deployment, source: str = "<deployment>") -> Resolved:
     """Engine options, model specs, FFN placement within memory budgets; raises ConfigError
     listing every problem found."""
-    problems = []
+    host = host_cpus()
+    problems = cpu_problems(deployment, host)
     for i, m in enumerate(deployment.model):
         problems += [f"model[{i}].{p}" for p in launcher(m.engine).model_problems(m)]
     if problems:
         raise ConfigError(source, problems)
     specs = resolve_specs(deployment, source)
     math = {m.id: launcher(m.engine).activation_math(m) for m in deployment.model}
-    return Resolved(deployment, specs, place(deployment, specs, source), math)
+    placement = place(deployment, specs, source)
+    return Resolved(deployment, specs, placement, math, plan_cpus(deployment, placement, host))
 
 
 def resolve_file(path: Path) -> Resolved:

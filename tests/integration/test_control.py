@@ -80,19 +80,23 @@ def test_second_registration_for_a_slot_is_refused(control):
 
 def test_heartbeat_watermark_and_metrics(control):
     state, url = control
-    assert httpx.post(url + "/v1/members", json=_member(state, "rank", "q")).status_code == 200
-    calls = {"count": 3, "sum_s": 0.003, "buckets": [0, 0, 0, 0, 0, 3] + [0] * 9}
-    hb = {"role": "rank", "id": "q", "rank": 0, "generation": 1, "seq": 1, "metrics": {"ffn_calls": {"q": calls}}}
+    assert httpx.post(url + "/v1/members", json=_member(state, "front", "front")).status_code == 200
+    hb = {
+        "role": "front",
+        "id": "front",
+        "rank": 0,
+        "generation": 1,
+        "seq": 1,
+        "metrics": {"requests": {"q": {"2xx": 3}}},
+    }
     assert httpx.post(url + "/v1/heartbeats", json=hb).status_code == 200
     r = httpx.post(url + "/v1/heartbeats", json=hb)
     assert r.status_code == 409 and "heartbeat 1 is not after 1" in r.json()["detail"]
-    calls2 = {**calls, "count": 5, "buckets": [0, 0, 0, 0, 0, 5] + [0] * 9}
-    assert (
-        httpx.post(url + "/v1/heartbeats", json={**hb, "seq": 2, "metrics": {"ffn_calls": {"q": calls2}}}).status_code
-        == 200
-    )
+    hb2 = {**hb, "seq": 2, "metrics": {"requests": {"q": {"2xx": 5, "5xx": 1}}}}
+    assert httpx.post(url + "/v1/heartbeats", json=hb2).status_code == 200
     text = httpx.get(url + "/metrics").text
-    assert 'crosspool_ffn_call_seconds_count{model="q"} 5.0' in text
+    assert 'crosspool_requests_total{code="2xx",model="q"} 5.0' in text
+    assert 'crosspool_requests_total{code="5xx",model="q"} 1.0' in text
     assert "crosspool_generation 1.0" in text
     status = httpx.get(url + "/status").json()
     assert status["generation"] == 1 and status["phase"] == "starting"

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -104,6 +105,37 @@ def test_demo_answers_the_demo_question(demo):
     steps = chat["usage"]["completion_tokens"]
     assert _metric(metrics, 'crosspool_ffn_call_seconds_count{model="smollm2-135m"}') >= 30 * steps
     assert _metric(metrics, 'crosspool_ffn_executed_total{agent="ffn0",model="smollm2-135m"}') >= 30 * steps
+
+
+def test_demo_places_each_role_as_planned(demo):
+    """Every role on the CPUs the resolved deployment names: the rank and the FfnAgent on the rank's
+    CPUs (the layer call's serial chain), the rest (vLLM's API server and busy-polling EngineCore
+    included) on the control CPUs."""
+    from crosspool.cpus import descendants
+
+    d = demo.get()
+    check = subprocess.run(
+        [sys.executable, "-m", "crosspool", "config", "check", str(d.file)], capture_output=True, text=True, timeout=60
+    )
+    planned = json.loads(check.stdout)["cpus"]
+    (rank_cpus,) = planned["ranks"]["smollm2-135m"]
+
+    def cpus(pid: int) -> set[int]:  # of every thread of the process
+        return set().union(*(os.sched_getaffinity(int(t)) for t in os.listdir(f"/proc/{pid}/task")))
+
+    rank, ffn = d.pid_of("Instance 'smollm2-135m' rank 0"), d.pid_of("FfnAgent 'ffn0'")
+    assert os.sched_getaffinity(rank) == set(rank_cpus)  # the worker's compute thread
+    assert cpus(ffn) == set(planned["ffn_agents"]["ffn0"]) == set(rank_cpus)
+    control = set(planned["control"])
+    engine_core = int(Path(f"/proc/{rank}/stat").read_text().rsplit(")", 1)[1].split()[1])  # the worker's parent
+    for name, pid in [
+        ("daemon", d.proc.pid),
+        ("front", d.pid_of("front endpoint")),
+        ("AtnAgent", d.pid_of("AtnAgent 'atn0'")),
+        ("EngineCore", engine_core),
+    ]:
+        assert cpus(pid) == control, name
+    assert engine_core in descendants(d.proc.pid)
 
 
 def test_demo_stops_cleanly(demo):

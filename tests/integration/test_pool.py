@@ -160,20 +160,16 @@ def test_attention_tp_ranks_share_one_call_per_layer(shared, reference):
 def test_probe_is_answered_by_the_agent_without_computing(shared):
     rank = RankTransport(shared.plan.rank_layout("p", 0))
     first = rank.mailbox.words[W_REQ_SEQ]
+    before = shared.pool_counters()
     for _ in range(100):
         rank.probe()
     x = _rows(2)
     for _ in range(3):
         rank.call(0, x, torch.empty_like(x))
     assert rank.mailbox.words[W_REQ_SEQ] == rank.mailbox.words[resp_word(0)] == first + 103
-    agent = ("FfnAgent", "ffn2", 0)
-    deadline = time.monotonic() + 10  # the agent's executed count arrives with its next heartbeat
-    while time.monotonic() < deadline:
-        metrics = shared.state.registry.members[agent].metrics
-        if metrics is not None and metrics.executed.get("p", 0) >= 3:
-            break
-        time.sleep(0.1)
-    assert metrics is not None and metrics.executed.get("p") == 3  # the probes computed nothing
+    after = shared.pool_counters()  # read from shared memory: exact, no heartbeat to wait for
+    assert after.executed[("ffn2", "p")].executed - before.executed[("ffn2", "p")].executed == 3  # probes: none
+    assert after.calls["p"].count - before.calls["p"].count == 3
     with frozen(_member(shared, "FfnAgent 'ffn2'")), pytest.raises(FfnTimeout):
         rank.probe()  # nobody else answers for the agent
 

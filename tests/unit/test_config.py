@@ -105,17 +105,25 @@ def test_memory_budget_refused_with_amount(tmp_path, tiny_models):
     assert "ffn_agent: FFN weights of ['m'] need" in line and "GiB over the budget" in line, line
 
 
-def test_bench_options_reach_the_benchmark():
-    r = _cli("bench", "--repeats", "1", "--help")
-    assert r.returncode == 0 and "--round-trips" in r.stdout, r.stderr
+def test_bench_subcommands_and_their_options():
+    r = _cli("bench", "overhead", "--repeats", "1", "--help")
+    assert r.returncode == 0 and "--round-trips" in r.stdout and "--engine" in r.stdout, r.stderr
+    r = _cli("bench", "executor", "--help")
+    assert r.returncode == 0 and "--threads" in r.stdout, r.stderr
+    r = _cli("bench")
+    assert r.returncode == 2 and "overhead" in r.stderr and "executor" in r.stderr
+    r = _cli("bench", "overhead")  # the report file is required
+    assert r.returncode == 2 and "--out" in r.stderr
 
 
 def test_cpu_binding_of_engine_workers():
-    from crosspool.integrations.cpus import cpu_binding
+    from crosspool.cpus import rank_cpus
+    from crosspool.integrations import threads_bind
 
-    assert cpu_binding(2, [0, 1]) == "0|1"
-    assert cpu_binding(4, [0, 1]) == "0|1|0|1"
-    assert cpu_binding(2, [0, 1, 2, 3, 4]) == "0,1|2,3,4"
+    assert threads_bind(rank_cpus(2, [0, 1])) == "0|1"
+    assert threads_bind(rank_cpus(4, [0, 1])) == "0|1|0|1"
+    assert threads_bind(rank_cpus(2, [0, 1, 2, 3, 4, 5])) == "0,1|2,3,4"  # the last CPU left to control
+    assert threads_bind(rank_cpus(1, [0, 1])) == "0"
 
 
 def test_sglang_command_and_refusals(tiny_models):
@@ -131,9 +139,9 @@ def test_sglang_command_and_refusals(tiny_models):
     config = json.loads((tiny_models["qwen3"] / "config.json").read_text())
     per_token = config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * config["head_dim"] * 2
     assert int(flags["--max-total-tokens"]) == 2**30 // per_token  # kv_cache_gib = 1, bf16
-    env = sglang.engine_env(d.model[0], None)
+    env = sglang.engine_env(d.model[0], None, [[0], [1]])
     assert env["SGLANG_USE_CPU_ENGINE"] == "1" and env["SGLANG_PLUGINS"] == "crosspool"
-    assert len(env["SGLANG_CPU_OMP_THREADS_BIND"].split("|")) == 2 and "CROSSPOOL_PLAN" not in env
+    assert env["SGLANG_CPU_OMP_THREADS_BIND"] == "0|1" and "CROSSPOOL_PLAN" not in env
     assert engine_arg_problems({"enable_torch_compile": True, "tp_size": 2, "enable_mixed_chunk": False}) == [
         "engine_args.enable_torch_compile: not supported with CrossPool: SGLang's CPU torch.compile decode graph "
         "is not qualified: CrossPool serves eager (got True)",

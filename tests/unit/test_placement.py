@@ -73,3 +73,66 @@ def test_plan_accounts_each_agent_its_share_of_the_weights(tiny_models):
     total = resolved.specs["a"].weight_bytes("bfloat16")
     assert sum(a.weight_bytes for a in plan.ffn_agents) == total
     assert all(a.models == ["a"] for a in plan.ffn_agents if a.weight_bytes)
+
+
+def _cpu_plan(text: str, host: list[int], monkeypatch):
+    """The plan's CPU placement of a deployment as if this host allowed `host`."""
+    from crosspool import cpus
+    from crosspool.config import parse_deployment
+    from crosspool.resolve import resolve
+
+    monkeypatch.setattr(cpus.os, "sched_getaffinity", lambda pid: set(host))
+    return resolve(parse_deployment(text)).plan()
+
+
+def _models(path: object, *specs: str) -> str:
+    return "".join(f'[[model]]\nid = "m{i}"\npath = "{path}"\nengine = "vllm"\n{s}\n' for i, s in enumerate(specs))
+
+
+@pytest.mark.parametrize(
+    ("host", "specs", "control", "ranks", "agent"),
+    [
+        # one rank: it and the FfnAgent on the first CPU, everything off the chain on the last
+        ([0, 1], [""], [1], {"m0": [[0]]}, [0]),
+        ([0, 1, 2, 3], [""], [3], {"m0": [[0, 1, 2]]}, [0, 1, 2]),
+        # no more CPUs than ranks: ranks spread over all of them, control shares the last
+        ([0, 1], ["attention_tp = 2"], [1], {"m0": [[0], [1]]}, [0, 1]),
+        ([0, 1], ["", ""], [1], {"m0": [[0]], "m1": [[1]]}, [0, 1]),
+        ([4, 5, 6], ["", ""], [6], {"m0": [[4]], "m1": [[5]]}, [4, 5]),
+        ([0], ["attention_dp = 2"], [0], {"m0": [[0], [0]]}, [0]),
+    ],
+)
+def test_cpu_plan_keeps_each_ffn_agent_where_its_ranks_wait(
+    tiny_models, monkeypatch, host, specs, control, ranks, agent
+):
+    plan = _cpu_plan(_models(tiny_models["qwen3"], *specs), host, monkeypatch)
+    assert plan.control_cpus == control
+    assert {m.id: m.rank_cpus for m in plan.models} == ranks
+    assert [a.cpus for a in plan.ffn_agents] == [agent]
+
+
+def test_cpu_plan_follows_the_deployment_file_and_each_agent_its_models(tiny_models, monkeypatch):
+    path = tiny_models["qwen3"]
+    text = (
+        "control_cpus = [0]\n"
+        + '[[ffn_agent]]\nid = "fa"\n[[ffn_agent]]\nid = "fb"\ncpus = [3]\n'
+        + _models(path, 'ffn_agent = "fa"\nrank_cpus = [[2], [1]]\nattention_tp = 2', 'ffn_agent = "fb"')
+    )
+    plan = _cpu_plan(text, [0, 1, 2, 3], monkeypatch)
+    assert plan.control_cpus == [0]
+    assert plan.model("m0").rank_cpus == [[2], [1]] and plan.model("m1").rank_cpus == [[2]]
+    assert {a.id: a.cpus for a in plan.ffn_agents} == {"fa": [1, 2], "fb": [3]}  # fa: where m0's ranks wait
+
+
+def test_cpus_this_host_does_not_allow_are_refused(tiny_models, monkeypatch):
+    from crosspool.config import ConfigError, parse_deployment
+
+    text = "control_cpus = [7]\n" + _models(tiny_models["qwen3"], "rank_cpus = [[0], [9]]\nattention_dp = 2")
+    with pytest.raises(ConfigError) as e:
+        _cpu_plan(text, [0, 1], monkeypatch)
+    assert e.value.problems == [
+        "control_cpus: CPU 7 is not one this host allows (allowed: [0, 1]) (got [7])",
+        "model[0].rank_cpus[1]: CPU 9 is not one this host allows (allowed: [0, 1]) (got [9])",
+    ]
+    with pytest.raises(ConfigError, match=r"rank_cpus: one CPU list per engine rank \(2\) \(got 1\)"):
+        parse_deployment(_models(tiny_models["qwen3"], "rank_cpus = [[0]]\nattention_tp = 2"))

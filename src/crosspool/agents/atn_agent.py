@@ -29,7 +29,7 @@ class AtnAgent:
         self.proc = proc
         self.started, self.shm_before = time.time(), shm_names()
         owned = [mb for mb in proc.plan.mailboxes if mb.atn_agent == proc.id]
-        self.mailboxes = [Mailbox.create(mb.name, mb.max_rows, mb.hidden, mb.dtype, mb.shards) for mb in owned]
+        self.mailboxes = [Mailbox.create(mb.name, mb.max_rows, mb.hidden, mb.dtype, mb.shards, mb.tp) for mb in owned]
 
     def run(self) -> None:
         self.proc.ready()

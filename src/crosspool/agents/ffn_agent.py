@@ -17,23 +17,14 @@ import torch
 
 from crosspool.agents.ffn.weights import LayerExecutor, load_layers
 from crosspool.agents.process import AgentProcess
-from crosspool.fabric.inbox import Inbox
+from crosspool.fabric.inbox import COUNTERS, Inbox
 from crosspool.integrations import kernels
 from crosspool.ipc import SLICE_S
 from crosspool.metrics import MemberMetrics
 from crosspool.models.spec import load_ffn_spec
 from crosspool.plan import MailboxPlan
-from crosspool.transport.mailbox import (
-    PROBE_LAYER,
-    SEQ_MASK,
-    STATUS_ERROR,
-    STATUS_OK,
-    W_FENCE,
-    W_LAYER,
-    W_REQ_SEQ,
-    W_ROWS,
-    Mailbox,
-)
+from crosspool.transport._calls import AgentChannel
+from crosspool.transport.mailbox import LAYOUT, PROBE_LAYER, STATUS_ERROR, STATUS_OK, Mailbox
 
 
 @dataclass
@@ -44,16 +35,6 @@ class Served:
     mailbox: Mailbox
     layers: dict[int, LayerExecutor]
     shard_of: dict[int, int]  # layer -> this agent's shard index in the layer's execution group
-    claimed: int  # the last request sequence this agent claimed or saw pass
-    executed: int = 0
-
-
-@dataclass(frozen=True)
-class Call:
-    served: Served
-    seq: int
-    layer: int
-    rows: int
 
 
 class ProtocolError(RuntimeError):
@@ -65,6 +46,7 @@ class FfnAgent:
         self.proc = proc
         plan = proc.plan
         me = next(a for a in plan.ffn_agents if a.id == proc.id)
+        self.threads = me.threads
         torch.set_num_threads(me.threads)
         start = time.monotonic()
         layers: dict[str, dict[int, LayerExecutor]] = {}
@@ -82,74 +64,57 @@ class FfnAgent:
             f"loaded FFN weights of {sorted(layers)} ({me.weight_bytes / 2**20:.1f} MiB) "
             f"in {time.monotonic() - start:.1f} s"
         )
-        self.served = []
+        self.inbox = Inbox.create(plan.inbox_name(proc.id), proc.id, len(plan.mailboxes))
+        self.served: list[Served] = []
+        ends = []
         for mplan in plan.mailboxes:
             if mplan.model in layers:
                 mailbox = Mailbox.open(mplan.name)
-                served = Served(mplan, mailbox, layers[mplan.model], shard_of[mplan.model], mailbox.words[W_REQ_SEQ])
-                self.served.append(served)
+                self.served.append(Served(mplan, mailbox, layers[mplan.model], shard_of[mplan.model]))
+                held = bytes(layer in layers[mplan.model] for layer in range(plan.model(mplan.model).num_layers))
+                ends.append((mailbox.seg.addr, self.inbox.counters_address(mplan.index), mailbox.readers, held))
+        self.channel = AgentChannel(layout=LAYOUT | COUNTERS, doorbell=self.inbox.doorbell.address, served=ends)
         self.lanes = me.lanes
-        self.inbox = Inbox.create(plan.inbox_name(proc.id), proc.id)
-        self._claim_lock = threading.Lock()
 
-    def claim(self) -> Call | None:
-        """The oldest published call this agent has not claimed yet, if any."""
-        with self._claim_lock:
-            while True:
-                pending = [s for s in self.served if s.mailbox.words[W_REQ_SEQ] != s.claimed]
-                pending = [s for s in pending if not s.mailbox.words[W_FENCE]]
-                if not pending:
-                    return None
-                oldest = min(pending, key=lambda s: s.mailbox.submit_ns())
-                w = oldest.mailbox.words
-                seq, layer, rows = w[W_REQ_SEQ], w[W_LAYER], w[W_ROWS]
-                if w[W_REQ_SEQ] != seq:  # the rank moved on to its next call while we read
-                    continue
-                if (seq - oldest.claimed) & SEQ_MASK >= 1 << 31:
-                    raise ProtocolError(
-                        f"stale publication in {oldest.plan.name}: request {seq} after {oldest.claimed}"
-                    )
-                oldest.claimed = seq
-                if layer == PROBE_LAYER or layer in oldest.layers:
-                    return Call(oldest, seq, layer, rows)
-                # Otherwise the call is for another agent of the model's placement.
-
-    def execute(self, call: Call) -> None:
-        mb = call.served.mailbox
-        if call.layer == PROBE_LAYER:
-            mb.reply(call.seq, STATUS_OK)
+    def execute(self, index: int, seq: int, layer: int, rows: int, claimed_ns: int) -> None:
+        """Compute a claimed call into its output plane and answer it."""
+        served = self.served[index]
+        mb = served.mailbox
+        if layer == PROBE_LAYER:
+            self.channel.reply(index, seq, 0, STATUS_OK, 0)
             return
+        shard = served.shard_of[layer]
         try:
-            if not 0 < call.rows <= mb.max_rows:
-                raise ProtocolError(f"{call.rows} rows published; the mailbox holds {mb.max_rows}")
-            shard = call.served.shard_of[call.layer]
-            mb.outputs[shard][: call.rows].copy_(call.served.layers[call.layer](mb.input[: call.rows]))
+            if not 0 < rows <= mb.max_rows:
+                raise ProtocolError(f"{rows} rows published; the mailbox holds {mb.max_rows}")
+            served.layers[layer](mb.input[:rows], mb.outputs[shard][:rows])
         except Exception as e:
-            model, shard = call.served.plan.model, call.served.shard_of.get(call.layer, 0)
-            error = f"FfnAgent {self.proc.id!r} failed layer {call.layer} of {model}: {e}"
-            mb.reply(call.seq, STATUS_ERROR, error, shard)
+            mb.reply(
+                seq, STATUS_ERROR, f"FfnAgent {self.proc.id!r} failed layer {layer} of {served.plan.model}: {e}", shard
+            )
             if isinstance(e, ProtocolError):
                 raise
         else:
-            mb.reply(call.seq, STATUS_OK, shard=shard)
-            call.served.executed += 1
+            self.channel.reply(index, seq, shard, STATUS_OK, claimed_ns)
 
     def metrics(self) -> MemberMetrics:
-        executed: dict[str, int] = {}
-        for s in self.served:
-            executed[s.plan.model] = executed.get(s.plan.model, 0) + s.executed
-        pending = sum(
-            1 for s in self.served if s.mailbox.words[W_REQ_SEQ] != s.claimed and s.mailbox.words[W_LAYER] in s.layers
-        )
-        return MemberMetrics(executed=executed, queue_depth=pending)
+        return MemberMetrics(queue_depth=self.channel.pending())
 
     def lane(self) -> None:
-        stop, doorbell = self.proc.stop, self.inbox.doorbell
+        stop, channel = self.proc.stop, self.channel
+        # OpenMP's thread count is per thread: a new thread would compute with the host's default.
+        torch.set_num_threads(self.threads)
         try:
             while not stop.is_set():
-                doorbell.wait(SLICE_S)  # also rescans after a slice, so nothing waits on a lost count
-                while (call := self.claim()) is not None:
-                    self.execute(call)
+                call = channel.next_call(SLICE_S)  # the GIL released while it waits
+                if call is None:
+                    continue
+                if len(call) == 4:  # (-1, index, seq, claimed): a sequence number that went backwards
+                    _, index, seq, claimed = call
+                    raise ProtocolError(
+                        f"stale publication in {self.served[index].plan.name}: request {seq} after {claimed}"
+                    )
+                self.execute(*call)
         except Exception as e:
             self.proc.fail(f"executor lane crashed: {e}")
 

@@ -1,7 +1,7 @@
 """FFN executor throughput: one layer through a real FFN pool (FFN TP 1 and 2) vs the same MLP in
 plain torch in this process.
 
-    python -m crosspool.bench.executor [--model DIR] [--dtype bfloat16] [--threads 1] [--repeats 3]
+    crosspool bench executor [--model DIR] [--dtype bfloat16] [--threads 1] [--repeats 3] --out FILE
 
 Each FfnAgent computes with `--threads` torch threads; the in-process baseline runs with the
 same total thread count as the pool row it is compared with (TP k: k x threads), on the same
@@ -20,16 +20,14 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from crosspool import host
-from crosspool.agents.ffn.dense import Linear
-from crosspool.agents.ffn.moe import MoeKernel
 from crosspool.agents.ffn.weights import load_layers
 from crosspool.bench.overhead import timed_us
 from crosspool.config import parse_deployment
 from crosspool.daemon.daemon import running_pool
 from crosspool.integrations import kernels
+from crosspool.kernels import Linear, MoeKernel, plain_linear
 from crosspool.models.spec import DTYPES, load_ffn_spec
 from crosspool.resolve import resolve
 from crosspool.transport.mailbox import RankTransport
@@ -51,7 +49,7 @@ class PlainTorch:
     """The same MLP in plain torch: `F.linear` GEMMs (dense layers only)."""
 
     def linear(self, weight: torch.Tensor, /) -> Linear:
-        return lambda x: F.linear(x, weight)
+        return plain_linear(weight)
 
     def moe(self, *args: object) -> MoeKernel:
         raise NotImplementedError("the executor benchmark times dense layers")
@@ -61,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     from crosspool.models.prepare import prepare_smollm2
 
     p = argparse.ArgumentParser(
-        prog="python -m crosspool.bench.executor",
+        prog="crosspool bench executor",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -70,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layer", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch threads per FfnAgent")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--out", type=Path, default=None, help="write the JSON result here too")
+    p.add_argument("--out", type=Path, required=True, help="the JSON report")
     args = p.parse_args(argv)
     model = args.model or prepare_smollm2()
     spec = load_ffn_spec(model)
@@ -122,8 +120,12 @@ def main(argv: list[str] | None = None) -> int:
                 "ratio_vs_engine_kernels": engine_us / pool_us,
             }
         )
+    tp1 = [c for c in cases if c["ffn_tp"] == 1]
     result = {
         "host": host.describe(),
+        "argv": sys.argv[1:] if argv is None else argv,
+        "summary": {f"ratio_vs_engine_kernels_rows{c['rows']}": round(c["ratio_vs_engine_kernels"], 3) for c in tp1}
+        | {f"ratio_vs_plain_rows{c['rows']}": round(c["ratio"], 3) for c in tp1},
         "model": str(model),
         "layer": args.layer,
         "dtype": args.dtype,
@@ -131,10 +133,8 @@ def main(argv: list[str] | None = None) -> int:
         "repeats": args.repeats,
         "cases": cases,
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result["summary"], indent=1))
     for c in cases:
         print(
             f"rows {c['rows']:>4} TP {c['ffn_tp']}: pool {c['pool_rows_per_s']:>9.0f} rows/s, "

@@ -1,53 +1,84 @@
-"""CrossPool overhead vs native vLLM: generation throughput at batch 1 and 16, and the latency
-of one Transport+Fabric round trip.
+"""`crosspool bench overhead`: what serving through CrossPool costs against the native engine.
 
-    python -m crosspool.bench.overhead [--model DIR] [--dtype bfloat16] [--eager] [--repeats 3]
+    crosspool bench overhead [--engine vllm|sglang] [--dtype D] [--eager] [--repeats N] --out FILE
 
-Native and CrossPool engines run in the same invocation on the same prompts, each as vLLM runs
-by default (multiprocess EngineCore, a Worker bound to its cores); the report gives medians and
-the CrossPool/native ratio (this machine is shared: compare ratios, not absolutes). The round
-trip is timed from a rank's side: a probe crosses Transport and Fabric and is answered by the
-FfnAgent without computing; a one-row layer call is compared with the same FFN in process.
+One invocation starts the native engine's OpenAI server and a CrossPool deployment of the same
+model with the same engine arguments (`crosspool daemon`: FFN pool, engine, front), side by side
+on this host's CPUs, and sends both the same greedy requests (token-id prompts, `ignore_eos`),
+alternating native and CrossPool for every batch size and repeat. Only the side being measured
+works; the other is idle (an idle vLLM worker stops polling 1 s after its last step, so each run
+starts after `--idle-s`). Each CrossPool run must have made its pool execute at least one call
+per layer and generated token; each native run must have made it execute none.
+
+Per run the report has the throughput, per process role of both sides the CPU time and run-queue
+wait over the timed window (`/proc/PID/task/TID/schedstat`) and the CPUs each role may use; per
+CrossPool run a per-step breakdown from the daemon's FFN counters (attention side, the rank's
+time in layer calls, the FfnAgents' compute, publication-to-claim, the rest of the round trip).
+Then, with the deployments stopped, a one-row Transport+Fabric probe round trip, a one-row layer
+call and the same FFN in this process. `summary` holds the headline figures.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import json
 import random
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TextIO
 
+import httpx
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from crosspool import host
 from crosspool.agents.ffn.weights import load_layers
-from crosspool.config import parse_deployment
+from crosspool.bench import procs
+from crosspool.config import ModelConfig, parse_deployment
+from crosspool.cpus import host_cpus
 from crosspool.daemon.daemon import running_pool
-from crosspool.integrations import kernels
-from crosspool.integrations.offline import generate_in_child
-from crosspool.models.spec import load_ffn_spec
+from crosspool.daemon.supervisor import Supervisor
+from crosspool.integrations import kernels, launcher
+from crosspool.ipc import bind_port
+from crosspool.models.spec import DTYPES, load_ffn_spec
 from crosspool.plan import Plan
 from crosspool.resolve import resolve
-from crosspool.transport.mailbox import W_REQ_SEQ, Mailbox, RankTransport
+from crosspool.transport.mailbox import RankTransport
+
+HOST = "127.0.0.1"
+MAX_BATCHED = 2048
+BATCHES = (1, 16)
+START_TIMEOUT_S = 900.0
+REQUEST_TIMEOUT_S = 600.0
 
 
-def _deployment(model: Path, dtype: str, eager: bool, max_batched: int):
-    return parse_deployment(f'''
+class BenchError(RuntimeError):
+    """The benchmark could not measure what it claims (a side failed, or the pool did not work)."""
+
+
+def deployment_text(model_path: Path, engine: str, dtype: str, eager: bool, port: int, control_port: int) -> str:
+    return f'''name = "bench"
+port = {port}
+control_port = {control_port}
 [limits]
-max_batched_tokens = {max_batched}
+max_batched_tokens = {MAX_BATCHED}
 [[model]]
 id = "bench"
-path = "{model}"
-engine = "vllm"
+path = "{model_path}"
+engine = "{engine}"
 dtype = "{dtype}"
 max_model_len = 512
 max_num_seqs = 16
 enforce_eager = {str(eager).lower()}
-''')
+'''
 
 
 def timed_us(fn: Callable[[], object], calls: int, warmup: int = 100) -> dict[str, float]:
@@ -63,6 +94,159 @@ def timed_us(fn: Callable[[], object], calls: int, warmup: int = 100) -> dict[st
     return {p: samples[min(len(samples) - 1, int(q * len(samples)))] for p, q in (("p50", 0.5), ("p99", 0.99))}
 
 
+@dataclass
+class Side:
+    """One served deployment under measurement: its endpoint and the root of its process tree."""
+
+    name: str
+    url: str
+    root: int
+    metrics_url: str | None = None
+    """CrossPool's control API (/metrics), for its FFN counters."""
+
+    def processes(self) -> dict[int, str]:
+        return procs.roles(self.root)
+
+
+@contextlib.contextmanager
+def native_server(model: ModelConfig, rank_cpus: list[list[int]], log: TextIO) -> Iterator[Side]:
+    """The engine's own OpenAI server, as CrossPool would start it (its ranks on the same CPUs) but
+    without CrossPool."""
+    engine = launcher(model.engine)
+    port = bind_port(HOST)
+    sup = Supervisor("crosspool-bench-native-")  # owns no segments; sweeps the engine's leftovers
+    try:
+        child = sup.start(
+            "native",
+            engine.server_command(model, MAX_BATCHED, HOST, port),
+            engine.engine_env(model, None, rank_cpus),
+            stop_order=0,
+            cpus=host_cpus(),
+            sink=log,
+        )
+        yield Side("native", f"http://{HOST}:{port}", child.proc.pid)
+    finally:
+        sup.stop_all(30.0)
+
+
+@contextlib.contextmanager
+def crosspool_daemon(text: str, run_dir: Path, log: TextIO) -> Iterator[Side]:
+    """`crosspool daemon FILE` as a user runs it, until its ready line."""
+    d = parse_deployment(text)
+    file = run_dir / "bench.toml"
+    file.write_text(text)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "crosspool", "daemon", str(file)],
+        stdout=subprocess.PIPE,
+        stderr=log,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        yield Side("crosspool", f"http://{d.host}:{d.port}", proc.pid, f"http://{d.host}:{d.control}")
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()  # its members get SIGTERM by PR_SET_PDEATHSIG and clean up after themselves
+            proc.wait()
+
+
+def wait_ready(sides: list[Side], log_path: Path, deadline: float) -> None:
+    with httpx.Client(timeout=2.0) as client:
+        for side in sides:
+            while True:
+                if not Path(f"/proc/{side.root}").exists() or procs.role_of(side.root) == "other":
+                    raise BenchError(f"the {side.name} side exited during startup (log: {log_path})")
+                try:
+                    if client.get(side.url + "/v1/models").status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise BenchError(
+                        f"the {side.name} side was not ready within {START_TIMEOUT_S:g} s (log: {log_path})"
+                    )
+                time.sleep(0.5)
+
+
+async def _generate(url: str, model: str, prompts: list[list[int]], tokens: int) -> tuple[float, int]:
+    """All `prompts` at once, greedy, `tokens` each: (seconds until the last answer, tokens generated)."""
+    body = {"model": model, "max_tokens": tokens, "temperature": 0.0, "ignore_eos": True}
+    async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S) as client:
+        start = time.perf_counter()
+        answers = await asyncio.gather(
+            *(client.post(url + "/v1/completions", json={**body, "prompt": p}) for p in prompts)
+        )
+        seconds = time.perf_counter() - start
+    for a in answers:
+        if a.status_code != 200:
+            raise BenchError(f"{url}: HTTP {a.status_code}: {a.text[:500]}")
+    return seconds, sum(a.json()["usage"]["completion_tokens"] for a in answers)
+
+
+def ffn_counters(metrics_url: str) -> dict[str, float]:
+    """The daemon's FFN-path totals for the bench model: rank calls and their seconds, and the
+    FfnAgents' executed calls, compute seconds and publication-to-claim seconds."""
+    text = httpx.get(metrics_url + "/metrics", timeout=10).text
+    out = dict.fromkeys(("calls", "call_s", "executed", "execute_s", "queue_s"), 0.0)
+    names = {
+        "crosspool_ffn_call_seconds_count": "calls",
+        "crosspool_ffn_call_seconds_sum": "call_s",
+        "crosspool_ffn_executed_total": "executed",
+        "crosspool_ffn_execute_seconds_total": "execute_s",
+        "crosspool_ffn_queue_seconds_total": "queue_s",
+    }
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in names and sample.labels.get("model") == "bench":
+                out[names[sample.name]] += sample.value
+    return out
+
+
+def measure(side: Side, others: list[Side], prompts: list[list[int]], tokens: int, layers: int, pool_url: str) -> dict:
+    """One timed run on `side`; the scheduler's view of every side's processes over the window."""
+    watched = {s.name: s.processes() for s in [side, *others]}
+    before = {name: procs.snapshot(p) for name, p in watched.items()}
+    counters_before = ffn_counters(pool_url)
+    seconds, generated = asyncio.run(_generate(side.url, "bench", prompts, tokens))
+    after = {name: procs.snapshot(p) for name, p in watched.items()}
+    counters = {k: v - counters_before[k] for k, v in ffn_counters(pool_url).items()}
+    if generated != len(prompts) * tokens:
+        raise BenchError(f"{side.name}: {generated} tokens generated, {len(prompts) * tokens} asked")
+    run: dict = {
+        "side": side.name,
+        "batch": len(prompts),
+        "seconds": round(seconds, 4),
+        "tok_s": round(generated / seconds, 3),
+        "processes": {name: procs.by_role(p, before[name], after[name]) for name, p in watched.items()},
+    }
+    if side.name == "native":
+        if counters["executed"] or counters["calls"]:
+            raise BenchError(f"the FFN pool executed {counters['executed']:g} calls during a native run")
+        return run
+    # Every step of the batch is a forward pass through every layer.
+    if counters["executed"] < tokens * layers or counters["calls"] < tokens * layers:
+        raise BenchError(
+            f"the FFN pool executed {counters['executed']:g} layer calls ({counters['calls']:g} made by the "
+            f"ranks) for {tokens} steps of {layers} layers: CrossPool was not active in the engine"
+        )
+    steps = counters["calls"] / layers
+    per_step = {k: counters[k] / steps * 1e3 for k in ("call_s", "execute_s", "queue_s")}
+    run["steps"] = round(steps, 1)
+    run["per_step_ms"] = {
+        "step": round(seconds / steps * 1e3, 3),
+        "attention_side": round((seconds - counters["call_s"]) / steps * 1e3, 3),
+        "ffn_calls": round(per_step["call_s"], 3),
+        "ffn_execute": round(per_step["execute_s"], 3),
+        "publish_to_claim": round(per_step["queue_s"], 3),
+        "transport_rest": round(per_step["call_s"] - per_step["execute_s"] - per_step["queue_s"], 3),
+    }
+    return run
+
+
 def round_trips(plan: Plan, calls: int) -> dict:
     """Timed from the rank's side, each in its own loop: a probe (Transport + Fabric, no FFN
     compute), a real one-row layer call, and the same layer computed in this process with the
@@ -71,9 +255,8 @@ def round_trips(plan: Plan, calls: int) -> dict:
     rank = RankTransport(plan.rank_layout(model.id, 0))
     spec = load_ffn_spec(model.path)
     layer = load_layers(spec, model.dtype, model.activation_math, kernels(model.engine), [0])[0]
-    x = torch.randn(1, model.hidden).to(getattr(torch, model.dtype))
+    x = torch.randn(1, model.hidden).to(DTYPES[model.dtype])
     out = torch.empty_like(x)
-
     threads = torch.get_num_threads()
     torch.set_num_threads(plan.ffn_agents[0].threads)
     try:
@@ -87,91 +270,117 @@ def round_trips(plan: Plan, calls: int) -> dict:
         torch.set_num_threads(threads)
 
 
+def _median_ratio(runs: list[dict], batch: int) -> dict:
+    rates = {
+        side: [r["tok_s"] for r in runs if r["batch"] == batch and r["side"] == side]
+        for side in ("native", "crosspool")
+    }
+    native, pooled = statistics.median(rates["native"]), statistics.median(rates["crosspool"])
+    steps = [r["per_step_ms"] for r in runs if r["batch"] == batch and r["side"] == "crosspool"]
+    breakdown = {k: round(statistics.median(s[k] for s in steps), 3) for k in steps[0]}
+    return {
+        "native_tok_s": rates["native"],
+        "crosspool_tok_s": rates["crosspool"],
+        "native_median": native,
+        "crosspool_median": pooled,
+        "ratio": round(pooled / native, 4),
+        "crosspool_per_step_ms_median": breakdown,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     from crosspool.models.prepare import prepare_smollm2
 
     p = argparse.ArgumentParser(
-        prog="crosspool bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="crosspool bench overhead", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    p.add_argument("--engine", choices=["vllm", "sglang"], default="vllm")
     p.add_argument("--model", type=Path, default=None, help="checkpoint dir (default: SmolLM2-135M)")
-    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
-    p.add_argument("--eager", action="store_true", help="enforce_eager (default: compile mode)")
+    p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
+    p.add_argument(
+        "--eager", action="store_true", help="vLLM enforce_eager (default: compile mode; SGLang: always eager)"
+    )
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--idle-s", type=float, default=1.5, help="pause before each run, for the other side to go idle")
     p.add_argument("--round-trips", type=int, default=2000)
-    p.add_argument("--out", type=Path, default=None, help="write the JSON result here too")
+    p.add_argument("--out", type=Path, required=True, help="the JSON report (engine logs next to it, .log)")
     args = p.parse_args(argv)
-    model = args.model or prepare_smollm2()
-    d = _deployment(model, args.dtype, args.eager, 2048)
+    model_path = (args.model or prepare_smollm2()).resolve()
+    eager = args.eager or args.engine == "sglang"
+    text = deployment_text(model_path, args.engine, args.dtype, eager, bind_port(HOST), bind_port(HOST))
+    resolved = resolve(parse_deployment(text, "bench"), "bench")
+    (model,) = resolved.deployment.model
+    layers = len(resolved.specs[model.id].layers)
+    vocab = json.loads((model_path / "config.json").read_text())["vocab_size"]
     rng = random.Random(0)
-    prompt = lambda: [rng.randrange(1, 49152 if args.model is None else 500) for _ in range(args.prompt_len)]  # noqa: E731
-    batches = {1: [prompt()], 16: [prompt() for _ in range(16)]}
-    work = [batches[1][:1]] + [batches[b] for _ in range(args.repeats) for b in (1, 16)]  # first = warm-up
-
-    def measure(plan_path: Path | None) -> dict[int, list[float]]:
-        runs = generate_in_child(d.model[0], 2048, work, args.output_len, plan_path, in_process_engine=False)["runs"]
-        runs = runs[1:]
-        rates: dict[int, list[float]] = {1: [], 16: []}
-        for r in runs:
-            rates[len(r["tokens"])].append(r["generated"] / r["seconds"])
-        return rates
-
-    print(f"native vLLM ({args.dtype}, {'eager' if args.eager else 'compile'}) ...", file=sys.stderr, flush=True)
-    native = measure(None)
-    with running_pool(resolve(d, "bench")) as gen:
-        print("CrossPool ...", file=sys.stderr, flush=True)
-        (mailbox_plan,) = gen.plan.mailboxes_of(d.model[0].id)
-        mailbox = Mailbox.open(mailbox_plan.name)
-        pooled = measure(gen.plan_path)
-        # Every generated token is a step through every layer: else the plugin was not active and
-        # this compared native vLLM with itself.
-        steps = len(work) * args.output_len  # each batch decodes output_len steps
-        layers = gen.plan.model(d.model[0].id).num_layers
-        if mailbox.words[W_REQ_SEQ] < steps * layers:
-            raise SystemExit(
-                f"crosspool bench: the pool answered {mailbox.words[W_REQ_SEQ]} layer calls, "
-                f"expected at least {steps * layers}: CrossPool was not active in the engine"
-            )
-        print("round trips ...", file=sys.stderr, flush=True)
+    prompts = [[rng.randrange(1, vocab) for _ in range(args.prompt_len)] for _ in range(max(BATCHES))]
+    log_path = args.out.with_suffix(".log")
+    say = lambda message: print(f"crosspool bench: {message}", file=sys.stderr, flush=True)  # noqa: E731
+    runs: list[dict] = []
+    with log_path.open("w") as log, tempfile.TemporaryDirectory(prefix="crosspool-bench-") as tmp:
+        say(
+            f"starting native {args.engine} and CrossPool ({args.dtype}, {'eager' if eager else 'compile'}); "
+            f"log: {log_path}"
+        )
+        rank_cpus = resolved.cpus.ranks[model.id]
+        with native_server(model, rank_cpus, log) as native, crosspool_daemon(text, Path(tmp), log) as pooled:
+            start = time.monotonic()
+            wait_ready([native, pooled], log_path, start + START_TIMEOUT_S)
+            say(f"both serving after {time.monotonic() - start:.0f} s")
+            assert pooled.metrics_url is not None
+            sides = [native, pooled]
+            for side in sides:  # warm-up: first steps, and in compile mode shapes seen the first time
+                for batch in BATCHES:
+                    asyncio.run(_generate(side.url, "bench", prompts[:batch], args.output_len))
+            for repeat in range(args.repeats):
+                for batch in BATCHES:
+                    for side in sides:
+                        time.sleep(args.idle_s)
+                        others = [s for s in sides if s is not side]
+                        run = measure(side, others, prompts[:batch], args.output_len, layers, pooled.metrics_url)
+                        runs.append(run)
+                        say(
+                            f"repeat {repeat + 1}/{args.repeats} batch {batch:>2} {side.name:>9}: "
+                            f"{run['tok_s']:.1f} tok/s"
+                        )
+            placement = {s.name: {role: procs.affinity(pid) for pid, role in s.processes().items()} for s in sides}
+    say("round trips ...")
+    with running_pool(resolved) as gen:
         rt = round_trips(gen.plan, args.round_trips)
+    by_batch = {str(b): _median_ratio(runs, b) for b in BATCHES}
     result = {
         "host": host.describe(),
-        "model": str(model),
+        "argv": sys.argv[1:] if argv is None else argv,
+        "engine": args.engine,
+        "model": str(model_path),
         "dtype": args.dtype,
-        "mode": "eager" if args.eager else "compile",
+        "mode": "eager" if eager else "compile",
         "prompt_len": args.prompt_len,
         "output_len": args.output_len,
         "repeats": args.repeats,
-        "throughput_tok_s": {
-            str(b): {
-                "native": native[b],
-                "crosspool": pooled[b],
-                "native_median": statistics.median(native[b]),
-                "crosspool_median": statistics.median(pooled[b]),
-                "ratio": statistics.median(pooled[b]) / statistics.median(native[b]),
-            }
-            for b in (1, 16)
+        "summary": {
+            "ratio_batch1": by_batch["1"]["ratio"],
+            "ratio_batch16": by_batch["16"]["ratio"],
+            "round_trip_p50_us": round(rt["probe_round_trip_us"]["p50"], 1),
+            "round_trip_p99_us": round(rt["probe_round_trip_us"]["p99"], 1),
+            "layer_call_p50_us": round(rt["layer_call_us"]["p50"], 1),
+            "in_process_ffn_p50_us": round(rt["in_process_ffn_us"]["p50"], 1),
         },
+        "throughput": by_batch,
+        "placement": placement,
         "one_row": rt,
+        "runs": runs,
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
-    for b in (1, 16):
-        t = result["throughput_tok_s"][str(b)]
-        print(
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result["summary"], indent=1))
+    for b in BATCHES:
+        t = by_batch[str(b)]
+        say(
             f"batch {b:>2}: native {t['native_median']:.1f} tok/s, CrossPool {t['crosspool_median']:.1f} tok/s, "
-            f"ratio {t['ratio']:.2f}",
-            file=sys.stderr,
+            f"ratio {t['ratio']:.3f}"
         )
-    print(
-        f"one-row Transport+Fabric round trip (probe): p50 {rt['probe_round_trip_us']['p50']:.0f} us, "
-        f"p99 {rt['probe_round_trip_us']['p99']:.0f} us; one-row layer call p50 {rt['layer_call_us']['p50']:.0f} us "
-        f"vs the same FFN in process p50 {rt['in_process_ffn_us']['p50']:.0f} us",
-        file=sys.stderr,
-    )
     return 0
 
 

@@ -135,7 +135,7 @@ class ControlState:
                     else state.get(self.phase, "stopped"),  # type: ignore[arg-type]
                     engine=m.engine,
                     url=m.url,
-                    ffn_agents=sorted({a for group in m.layer_agents for a in group}),
+                    ffn_agents=m.agents(),
                 )
                 for m in self.plan.models
             }

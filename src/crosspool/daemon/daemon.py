@@ -7,6 +7,7 @@ Exit code: 0 after SIGINT/SIGTERM, 1 after a failure it did not (or may not) res
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
@@ -17,6 +18,7 @@ from dataclasses import replace
 import uvicorn
 
 from crosspool.config import Deployment
+from crosspool.cpus import pin_process
 from crosspool.daemon.control import ControlState, create_control_app
 from crosspool.daemon.generation import Generation, StartupError
 from crosspool.daemon.supervisor import log
@@ -133,6 +135,9 @@ def running_pool(resolved: Resolved) -> Iterator[Generation]:
 
 
 def run_daemon(resolved: Resolved) -> int:
+    # The daemon is off the layer-call path: its threads (control API, output forwarders, the
+    # watch loop) run on the control CPUs, and it starts each member on the member's own.
+    pin_process(os.getpid(), resolved.cpus.control)
     daemon = Daemon(resolved)
     previous = {sig: signal.signal(sig, daemon.stop.request) for sig in (signal.SIGINT, signal.SIGTERM)}
     code = 1

@@ -24,10 +24,13 @@ import httpx
 
 from crosspool import envs
 from crosspool.config import Deployment
+from crosspool.cpus import descendants, pin_process
 from crosspool.daemon.control import ControlState
-from crosspool.daemon.supervisor import Supervisor, log
+from crosspool.daemon.supervisor import Child, Supervisor, log
+from crosspool.fabric.inbox import Inbox
 from crosspool.integrations import launcher
 from crosspool.ipc import SegmentMissing, Stop
+from crosspool.metrics import CallCounts, ExecCounts, PoolCounters
 from crosspool.plan import Plan
 from crosspool.transport.mailbox import Mailbox
 
@@ -46,6 +49,9 @@ class Generation:
         self.run_dir = Path(tempfile.mkdtemp(prefix=f"crosspool-{plan.token}-"))
         self.plan_path = self.run_dir / "plan.json"
         self.plan_path.write_text(plan.model_dump_json(indent=1))
+        self.mailboxes: list[Mailbox] = []  # by MailboxPlan.index, once the AtnAgents created them
+        self.inboxes: dict[str, Inbox] = {}  # by FfnAgent, once they registered
+        self.engines: dict[str, Child] = {}  # by model
 
     def log(self, message: str) -> None:
         log(f"generation {self.plan.generation}: {message}")
@@ -78,20 +84,49 @@ class Generation:
                     return
                 self.state.changed.wait(WATCH_S)
 
-    def _start_agent(self, role: str, module: str, agent_id: str, stop_order: int) -> None:
+    def _start_agent(self, role: str, module: str, agent_id: str, stop_order: int, cpus: list[int]) -> None:
         argv = [sys.executable, "-m", f"crosspool.agents.{module}", "--plan", str(self.plan_path), "--id", agent_id]
-        self.sup.start(f"{role} '{agent_id}'", argv, envs.sharing_cores(os.environ), stop_order=stop_order)
+        env = envs.sharing_cores(os.environ)
+        self.sup.start(f"{role} '{agent_id}'", argv, env, stop_order=stop_order, cpus=cpus)
 
     def start_pool(self, deadline: float) -> None:
         """AtnAgents (mailboxes), then FfnAgents (weights, inbox): after this the pool executes calls.
         FfnAgents start together: each spends most of its start importing its engine's kernels."""
         for atn in self.plan.atn_agents:
-            self._start_agent("AtnAgent", "atn_agent", atn, STOP_ATN)
+            self._start_agent("AtnAgent", "atn_agent", atn, STOP_ATN, self.plan.control_cpus)
             self._wait_registered(("AtnAgent", atn, 0), f"AtnAgent '{atn}'", deadline)
+        self.mailboxes = [Mailbox.open(mb.name) for mb in self.plan.mailboxes]
         for agent in self.plan.ffn_agents:
-            self._start_agent("FfnAgent", "ffn_agent", agent.id, STOP_FFN)
+            self._start_agent("FfnAgent", "ffn_agent", agent.id, STOP_FFN, agent.cpus)
         for agent in self.plan.ffn_agents:
             self._wait_registered(("FfnAgent", agent.id, 0), f"FfnAgent '{agent.id}'", deadline)
+        self.inboxes = {a.id: Inbox.open(self.plan.inbox_name(a.id), a.id) for a in self.plan.ffn_agents}
+        self.state.metrics.attach(self.pool_counters)
+
+    def pool_counters(self) -> PoolCounters:
+        """The FFN path's counters of this generation, read from the mailboxes and inboxes."""
+        counters = PoolCounters()
+        for mplan, mailbox in zip(self.plan.mailboxes, self.mailboxes, strict=True):
+            calls = counters.calls.setdefault(mplan.model, CallCounts())
+            for reader in range(mplan.tp):
+                seen = mailbox.reader_stats(reader)
+                calls.add(CallCounts(seen.calls, seen.call_ns / 1e9, list(seen.buckets)))
+            for agent in self.plan.model(mplan.model).agents():
+                done = self.inboxes[agent].agent_stats(mplan.index)
+                counts = ExecCounts(done.executed, done.execute_ns / 1e9, done.queue_ns / 1e9)
+                counters.executed.setdefault((agent, mplan.model), ExecCounts()).add(counts)
+        return counters
+
+    def _rank_heartbeats(self) -> None:
+        """Ranks beat in their mailboxes (a timestamp), not over HTTP: bring their last_seen up to date."""
+        with self.state.lock:
+            for slot, member in self.state.registry.members.items():
+                role, model_id, rank = slot
+                if role == "rank" and self.mailboxes:
+                    tp = self.plan.model(model_id).attention_tp
+                    mplan = self.plan.mailboxes_of(model_id)[rank // tp]
+                    beat_ns = self.mailboxes[mplan.index].heartbeat_ns(rank % tp)
+                    member.last_seen = max(member.last_seen, beat_ns / 1e9)
 
     def start_engines(self, deadline: float) -> None:
         d = self.deployment
@@ -99,10 +134,31 @@ class Generation:
             engine = launcher(model.engine)
             port = int(self.plan.model(model.id).url.rsplit(":", 1)[1])
             argv = engine.server_command(model, d.limits.max_batched_tokens, d.host, port)
-            env = engine.engine_env(model, self.plan_path)
-            self.sup.start(f"Instance '{model.id}'", argv, env, stop_order=STOP_ENGINE)
+            rank_cpus = self.plan.model(model.id).rank_cpus
+            env = engine.engine_env(model, self.plan_path, rank_cpus)
+            # The engine's processes start where its ranks run (an engine binds its ranks within the
+            # CPUs it inherits); once it serves, those that are not ranks move to the control CPUs.
+            cpus = sorted({cpu for rank in rank_cpus for cpu in rank})
+            self.engines[model.id] = self.sup.start(
+                f"Instance '{model.id}'", argv, env, stop_order=STOP_ENGINE, cpus=cpus
+            )
         for model in d.model:
             self._wait_engine(model.id, deadline)
+            self._place_engine(model.id)
+
+    def _place_engine(self, model_id: str) -> None:
+        """The engine's processes other than its ranks (vLLM's API server and EngineCore, which
+        busy-polls its workers; SGLang's server and detokenizer) onto the control CPUs, and each
+        rank onto its CPUs (vLLM binds its workers itself; SGLang binds only with AMX kernels)."""
+        ranks = self.plan.model(model_id).rank_cpus
+        with self.state.lock:
+            pids = {
+                m.pid: ranks[slot[2]]
+                for slot, m in self.state.registry.members.items()
+                if slot[0] == "rank" and slot[1] == model_id
+            }
+        for pid in descendants(self.engines[model_id].proc.pid):
+            pin_process(pid, pids.get(pid, self.plan.control_cpus))
 
     def _wait_engine(self, model_id: str, deadline: float) -> None:
         what = f"Instance '{model_id}'"
@@ -133,7 +189,7 @@ class Generation:
             *(sys.executable, "-m", "crosspool.front.server", "--plan", str(self.plan_path)),
             *("--grace-s", str(self.deployment.limits.shutdown_grace_s)),
         ]
-        self.sup.start("front endpoint", argv, dict(os.environ), stop_order=STOP_FRONT)
+        self.sup.start("front endpoint", argv, dict(os.environ), stop_order=STOP_FRONT, cpus=self.plan.control_cpus)
         self._wait_registered(("front", "front", 0), "front endpoint", deadline)
         with httpx.Client(timeout=2.0) as client:
             while True:
@@ -150,6 +206,7 @@ class Generation:
     def failure(self) -> str | None:
         """The first failure of this generation, recorded in the control state; None while healthy."""
         dead = self.sup.exited()
+        self._rank_heartbeats()
         if dead is not None:
             errors = dead.errors or self.sup.agent_errors()
             cause = f" ({errors[0]})" if errors else ""
@@ -175,11 +232,18 @@ class Generation:
 
     def fence(self, reason: str) -> None:
         """Admit no more FFN work: every rank's current and next call fails with the failure."""
+        for mailbox in self.mailboxes or self._existing_mailboxes():
+            mailbox.fence(f"FFN pool failed: {reason}")
+
+    def _existing_mailboxes(self) -> list[Mailbox]:
+        """The mailboxes an AtnAgent created before the pool was fully up (a failure during startup)."""
+        found = []
         for mplan in self.plan.mailboxes:
             try:
-                Mailbox.open(mplan.name).fence(f"FFN pool failed: {reason}")
+                found.append(Mailbox.open(mplan.name))
             except SegmentMissing:
                 continue  # never created: nobody can be waiting on it
+        return found
 
     def drain(self, grace_s: float) -> None:
         """Let the front's in-flight requests end (finish, or fail once fenced), at most `grace_s`."""
@@ -197,4 +261,5 @@ class Generation:
 
     def close(self) -> None:
         self.sup.stop_all(self.deployment.limits.shutdown_grace_s)
+        self.state.metrics.retire()
         shutil.rmtree(self.run_dir, ignore_errors=True)

@@ -17,8 +17,10 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import TextIO
 
 from crosspool import envs
+from crosspool.cpus import spawning_on
 from crosspool.ipc import ENGINE_LEFTOVERS, shm_names, unlink_orphans, unlink_segments
 
 
@@ -50,25 +52,38 @@ class Supervisor:
         self._started = time.time()
         self._shm_before = shm_names()
 
-    def _forward(self, member: Child, stream: object) -> None:
+    def _forward(self, member: Child, stream: object, sink: TextIO) -> None:
         for raw in iter(stream.readline, b""):  # type: ignore[attr-defined]
             line = raw.decode(errors="replace").rstrip()
             if "] error: " in line and line.startswith("["):
                 member.errors.append(line.split("] error: ", 1)[1])
-            print(f"{member.name}| {line}", file=sys.stderr, flush=True)
+            print(f"{member.name}| {line}", file=sink, flush=True)
 
-    def start(self, name: str, argv: list[str], env: dict[str, str], *, stop_order: int) -> Child:
-        proc = subprocess.Popen(
-            argv,
-            env={**env, envs.SUPERVISOR_PID: str(os.getpid())},
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    def start(
+        self,
+        name: str,
+        argv: list[str],
+        env: dict[str, str],
+        *,
+        stop_order: int,
+        cpus: list[int],
+        sink: TextIO | None = None,
+    ) -> Child:
+        """Start a member in its own session on `cpus`; its output goes, line by line with its
+        name, to `sink` (default: stderr)."""
+        with spawning_on(cpus):
+            proc = subprocess.Popen(
+                argv,
+                env={**env, envs.SUPERVISOR_PID: str(os.getpid())},
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         member = Child(name, proc, stop_order)
         self.members.append(member)
-        threading.Thread(target=self._forward, args=(member, proc.stdout), daemon=True).start()
+        forward = (member, proc.stdout, sink or sys.stderr)
+        threading.Thread(target=self._forward, args=forward, daemon=True).start()
         return member
 
     def exited(self) -> Child | None:

@@ -34,8 +34,9 @@ class EngineLauncher(Protocol):
         """How the engine's execution mode rounds the FFN activation (the pool must do the same)."""
         ...
 
-    def engine_env(self, model: ModelConfig, plan_path: Path | None, /) -> dict[str, str]:
-        """The engine process's environment; `plan_path` None runs the engine natively."""
+    def engine_env(self, model: ModelConfig, plan_path: Path | None, rank_cpus: list[list[int]], /) -> dict[str, str]:
+        """The engine process's environment, its ranks bound to `rank_cpus` (one list per rank, in
+        dp_rank * attention_tp + tp_rank order); `plan_path` None runs the engine natively."""
         ...
 
     def server_command(self, model: ModelConfig, max_batched_tokens: int, host: str, port: int, /) -> list[str]:
@@ -57,7 +58,7 @@ def launcher(engine: str) -> EngineLauncher:
 
 
 def kernels(engine: str) -> ModuleType:
-    """The engine's kernel module, an `agents.ffn.weights.EngineKernels`: `linear(weight)` and
+    """The engine's kernel module, a `crosspool.kernels.EngineKernels`: `linear(weight)` and
     `moe(...)` compute as the engine's own layers do. The engine is imported when a kernel is
     first built, in the FfnAgent (and qualify) only."""
     assert engine in ENGINES, engine
@@ -68,6 +69,11 @@ def serves(engine: str, architecture: str) -> bool:
     """Whether CrossPool serves this model architecture through `engine`."""
     architectures = launcher(engine).ARCHITECTURES
     return architectures is None or architecture in architectures
+
+
+def threads_bind(rank_cpus: list[list[int]]) -> str:
+    """Rank CPUs in the form both engines' bind variables take: "0,1|2,3" (a rank's CPUs, ranks by |)."""
+    return "|".join(",".join(map(str, cpus)) for cpus in rank_cpus)
 
 
 def command_flags(kwargs: dict[str, Any]) -> list[str]:

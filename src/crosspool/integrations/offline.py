@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from crosspool.config import ModelConfig
+from crosspool.cpus import host_cpus, rank_cpus
 from crosspool.integrations import launcher
 from crosspool.ipc import ENGINE_LEFTOVERS, shm_names, unlink_orphans
 
@@ -68,7 +69,8 @@ def generate_in_child(
             "out": str(out),
         }
         job_file.write_text(json.dumps(job))
-        env = launcher(model.engine).engine_env(model, plan_path)
+        ranks = rank_cpus(model.attention_tp * model.attention_dp, cpus or host_cpus())
+        env = launcher(model.engine).engine_env(model, plan_path, ranks)
         env.update(importlib.import_module(module).offline_env(in_process_engine), TMPDIR=tmp)
         # The engine logs to stdout; callers' stdout may be a JSON report (crosspool qualify).
         since, existing = time.time(), shm_names()
@@ -93,7 +95,7 @@ def side_by_side(calls: Sequence[Callable[[list[int]], T]]) -> list[T]:
     CPU-bound processes: two side by side on a 2-core host took 24 s where one after the other
     took 48 s, with the same tokens."""
     free: queue.Queue[int] = queue.Queue()
-    for cpu in sorted(os.sched_getaffinity(0)):
+    for cpu in host_cpus():
         free.put(cpu)
 
     def run(call: Callable[[list[int]], T]) -> T:

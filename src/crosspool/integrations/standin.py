@@ -7,6 +7,8 @@ the engine's parallel state is known) and to match its engine's module contract.
 from __future__ import annotations
 
 import re
+import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -40,11 +42,18 @@ class FfnStandIn(nn.Module):
 
 
 def attach_rank(plan: Plan, model_id: str, rank: int) -> None:
-    """This rank process's Transport, registered with the daemon and heartbeating; `ffn_shim` uses it."""
+    """This rank process's Transport, registered with the daemon and heartbeating; `ffn_shim` uses it.
+    Heartbeats are a timestamp in the rank's mailbox (the daemon reads it there with the rank's
+    counters): nothing but that store runs in the engine's process for liveness."""
     transport = RankTransport(plan.rank_layout(model_id, rank))
-    control = ControlClient(plan, "rank", model_id, rank)
-    control.register()
-    control.start_heartbeats(transport.metrics)
+    ControlClient(plan, "rank", model_id, rank).register()
+
+    def beat() -> None:
+        while True:
+            time.sleep(plan.heartbeat_interval_s)
+            transport.heartbeat()
+
+    threading.Thread(target=beat, name="crosspool-heartbeat", daemon=True).start()
     ops.attach(transport)
 
 

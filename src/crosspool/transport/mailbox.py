@@ -4,11 +4,12 @@ reach the FFN pool.
 The AtnAgent of the rank's attention device creates and owns the mailbox. A call: the rank
 writes its live rows into `input`, the layer, the row count and its submit time, publishes
 `req_seq`, then rings the doorbell of every FfnAgent of the layer's execution group (Fabric).
-Agent i of the group writes output plane i and a status and publishes its own
-`resp_seq[i] == req_seq`. With one agent the rank copies plane 0 into the caller-owned tensor;
-with k (FFN tensor parallelism) it adds the k partial sums in shard order in fp32 and casts once,
-so the result does not depend on which agent finished first. One call is in flight per mailbox
-(a rank's layer calls are serial), so the planes are reused without a ring.
+Agent i of the group writes output plane i and a status, publishes its own `resp_seq[i] ==
+req_seq` and posts the reply semaphore of every reader. With one agent the rank copies plane 0
+into the caller-owned tensor; with k (FFN tensor parallelism) it adds the k partial sums in shard
+order in fp32 and casts once, so the result does not depend on which agent finished first. One
+call is in flight per mailbox (a rank's layer calls are serial), so the planes are reused
+without a ring.
 
 With attention tensor parallelism the TP ranks of a DP rank hold the same hidden states and make
 the same calls, so they share one mailbox: the first rank (the leader) publishes each call, the
@@ -16,8 +17,17 @@ others (followers) wait for the same replies, read the same output planes and ac
 their own line; the leader publishes its next call only once every follower acknowledged the
 previous one, so planes are never overwritten while a follower still reads them.
 
+Waits are process-shared glibc semaphores (a reply semaphore per shard and reader, an ack
+semaphore per follower): `sem_post` enters the kernel only when the reader sleeps, and the
+sequence words stay the truth (a semaphore count is a hint; a reader that saw its word before it
+slept leaves a count the next wait consumes). Liveness of the peers, the call's bound and the
+fence reason are looked at only when a wait slice expires or a wake brings no reply.
+
 The control plane fences a mailbox to stop admitting FFN work: a fenced rank fails its call at
 once with the fence reason, including a call already waiting.
+
+Each reader keeps its counters in the mailbox (a heartbeat timestamp, calls, time in calls and a
+latency histogram): the daemon reads them there, nothing is sent from inside the engine.
 """
 
 from __future__ import annotations
@@ -29,11 +39,13 @@ from dataclasses import dataclass
 import torch
 
 from crosspool.fabric.inbox import Inbox
-from crosspool.ipc import Segment, futex_wake, wait_word_change
-from crosspool.metrics import LatencyHistogram, MemberMetrics
+from crosspool.ipc import SEM_SIZE, SLICE_S, SPIN_S, Segment, Semaphore
 from crosspool.models.spec import DTYPES
+from crosspool.transport import _calls as calls
+from crosspool.transport._calls import RankChannel
 from crosspool.transport.errors import (
     FfnAgentFailed,
+    FfnCallError,
     FfnCallRejected,
     FfnFenced,
     FfnPeerExited,
@@ -41,12 +53,12 @@ from crosspool.transport.errors import (
     RankDisagreement,
 )
 
-MAGIC = 0xC5055003
+MAGIC = 0xC5055005
 _DTYPE_CODES = {name: code for code, name in enumerate(DTYPES)}
 SEQ_MASK = 0xFFFFFFFF
 
 # u32 word indices; words written by different processes sit on different 64-byte lines.
-W_MAGIC, W_MAX_ROWS, W_HIDDEN, W_DTYPE, W_OWNER_PID, W_SHARDS = 0, 1, 2, 3, 4, 5  # creator, then read-only
+W_MAGIC, W_MAX_ROWS, W_HIDDEN, W_DTYPE, W_OWNER_PID, W_SHARDS, W_READERS = 0, 1, 2, 3, 4, 5, 6  # creator
 W_REQ_SEQ, W_LAYER, W_ROWS, W_SUBMIT_LO, W_SUBMIT_HI, W_RANK_PID = 16, 17, 18, 19, 20, 21  # the rank
 W_FENCE, W_FENCE_LEN = 32, 33  # the control plane
 MAX_SHARDS = 8
@@ -55,7 +67,19 @@ MAX_TP = 4
 W_ACK = 176  # attention TP follower f (1..MAX_TP-1): its ack at 16 * (f - 1) further, its pid next
 FENCE_OFFSET, FENCE_CAPACITY = 1024, 1024
 ERR_OFFSET, ERR_CAPACITY = 2048, 256  # shard i's error text at ERR_OFFSET + i * ERR_CAPACITY
-DATA_OFFSET = 4096
+REPLY_SEMS_OFFSET = 4096  # semaphore of (shard, reader) at + (shard * MAX_TP + reader) * SEM_SIZE
+ACK_SEMS_OFFSET = REPLY_SEMS_OFFSET + MAX_SHARDS * MAX_TP * SEM_SIZE  # follower f's at + (f - 1) * SEM_SIZE
+READER_STATS_OFFSET, READER_STATS_WORDS = 6144, 32  # u64 counters of reader r at + r * 8 * READER_STATS_WORDS
+DATA_OFFSET = 8192
+
+# A reader's u64 counters: what the daemon reads for liveness and metrics.
+R_HEARTBEAT_NS, R_CALLS, R_CALL_NS, R_BUCKETS = 0, 1, 2, 3
+LATENCY_BUCKETS_NS = tuple(
+    int(b * 1e9) for b in (2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1, 0.5, 1.0)
+)
+"""Upper bounds of the call-latency histogram (a one-row round trip is ~20 us, a 2048-row call
+tens of ms); the last bucket, +Inf, follows them."""
+assert R_BUCKETS + len(LATENCY_BUCKETS_NS) + 1 <= READER_STATS_WORDS
 
 STATUS_OK, STATUS_ERROR = 0, 1
 PROBE_LAYER = 0xFFFFFFFF
@@ -75,29 +99,54 @@ def ack_word(follower: int) -> int:
     return W_ACK + 16 * (follower - 1)
 
 
+@dataclass(frozen=True)
+class ReaderStats:
+    """One reader's counters as the daemon sees them."""
+
+    heartbeat_ns: int
+    """CLOCK_MONOTONIC of its last heartbeat (0: none yet)."""
+    calls: int
+    call_ns: int
+    buckets: tuple[int, ...]
+    """Calls per latency bucket (`LATENCY_BUCKETS_NS`, then +Inf), not cumulative."""
+
+
 class Mailbox:
-    def __init__(self, seg: Segment) -> None:
+    def __init__(self, seg: Segment, *, create: bool = False) -> None:
         words = seg.words
-        if words[W_MAGIC] != MAGIC:
+        if not create and words[W_MAGIC] != MAGIC:
             raise RuntimeError(f"mailbox {seg.name!r} is not initialised (bad magic)")
         self.seg = seg
         self.words = words
         self.max_rows, self.hidden, self.shards = words[W_MAX_ROWS], words[W_HIDDEN], words[W_SHARDS]
+        self.readers = words[W_READERS]
         self.dtype = list(DTYPES.values())[words[W_DTYPE]]
         plane = self.max_rows * self.hidden * self.dtype.itemsize
         shape = (self.max_rows, self.hidden)
         self.input = seg.tensor(DATA_OFFSET, shape, self.dtype)
         self.outputs = [seg.tensor(DATA_OFFSET + (1 + i) * plane, shape, self.dtype) for i in range(self.shards)]
+        self.reply_sems = [
+            [
+                Semaphore(seg, REPLY_SEMS_OFFSET + (s * MAX_TP + r) * SEM_SIZE, create=create)
+                for r in range(self.readers)
+            ]
+            for s in range(self.shards)
+        ]
+        self.ack_sems = [
+            Semaphore(seg, ACK_SEMS_OFFSET + (f - 1) * SEM_SIZE, create=create) for f in range(1, self.readers)
+        ]
+        self.stats = seg.mm_view(READER_STATS_OFFSET, DATA_OFFSET).cast("Q")
 
     @classmethod
-    def create(cls, name: str, max_rows: int, hidden: int, dtype: str, shards: int = 1) -> Mailbox:
-        assert 1 <= shards <= MAX_SHARDS, shards
+    def create(cls, name: str, max_rows: int, hidden: int, dtype: str, shards: int = 1, readers: int = 1) -> Mailbox:
+        assert 1 <= shards <= MAX_SHARDS and 1 <= readers <= MAX_TP, (shards, readers)
         seg = Segment(name, mailbox_size(max_rows, hidden, dtype, shards), create=True)
         w = seg.words
         w[W_MAX_ROWS], w[W_HIDDEN], w[W_DTYPE], w[W_SHARDS] = max_rows, hidden, _DTYPE_CODES[dtype], shards
-        w[W_OWNER_PID] = os.getpid()
+        w[W_READERS], w[W_OWNER_PID] = readers, os.getpid()
+        mailbox = cls(seg, create=True)
         w[W_MAGIC] = MAGIC
-        return cls(seg)
+        return mailbox
 
     @classmethod
     def open(cls, name: str) -> Mailbox:
@@ -129,7 +178,8 @@ class Mailbox:
             w[W_ERR_LEN + base] = self._write_text(ERR_OFFSET + shard * ERR_CAPACITY, error, ERR_CAPACITY)
         w[W_STATUS + base] = status
         w[W_RESP_SEQ + base] = seq
-        futex_wake(self.seg.word_addr(W_RESP_SEQ + base))
+        for sem in self.reply_sems[shard]:
+            sem.post()
 
     def error_text(self, shard: int) -> str:
         return self._read_text(ERR_OFFSET + shard * ERR_CAPACITY, W_ERR_LEN + 16 * shard)
@@ -140,11 +190,23 @@ class Mailbox:
             return
         self.words[W_FENCE_LEN] = self._write_text(FENCE_OFFSET, reason, FENCE_CAPACITY)
         self.words[W_FENCE] = 1
-        for shard in range(self.shards):
-            futex_wake(self.seg.word_addr(resp_word(shard)))
+        for sems in self.reply_sems:
+            for sem in sems:
+                sem.post()
+        for sem in self.ack_sems:
+            sem.post()
 
     def fence_reason(self) -> str | None:
         return self._read_text(FENCE_OFFSET, W_FENCE_LEN) if self.words[W_FENCE] else None
+
+    def heartbeat_ns(self, reader: int) -> int:
+        return self.stats[reader * READER_STATS_WORDS + R_HEARTBEAT_NS]
+
+    def reader_stats(self, reader: int) -> ReaderStats:
+        base = reader * READER_STATS_WORDS
+        s = self.stats[base : base + READER_STATS_WORDS]
+        buckets = tuple(s[R_BUCKETS : R_BUCKETS + len(LATENCY_BUCKETS_NS) + 1])
+        return ReaderStats(s[R_HEARTBEAT_NS], s[R_CALLS], s[R_CALL_NS], buckets)
 
 
 @dataclass(frozen=True)
@@ -162,120 +224,139 @@ class RankLayout:
     """`tp_rank` 0 publishes the calls of the mailbox's `tp` ranks; the others follow."""
 
 
+LAYOUT = {
+    "req_seq": W_REQ_SEQ,
+    "layer": W_LAYER,
+    "rows": W_ROWS,
+    "submit_lo": W_SUBMIT_LO,
+    "submit_hi": W_SUBMIT_HI,
+    "fence": W_FENCE,
+    "resp_seq": W_RESP_SEQ,
+    "status": W_STATUS,
+    "ack": W_ACK,
+    "stride": 16,
+    "reply_sems": REPLY_SEMS_OFFSET,
+    "ack_sems": ACK_SEMS_OFFSET,
+    "sem_size": SEM_SIZE,
+    "max_tp": MAX_TP,
+    "reader_stats": READER_STATS_OFFSET,
+    "reader_words": READER_STATS_WORDS,
+    "data": DATA_OFFSET,
+    "r_calls": R_CALLS,
+    "r_call_ns": R_CALL_NS,
+    "r_buckets": R_BUCKETS,
+    "probe_layer": PROBE_LAYER,
+    "status_ok": STATUS_OK,
+}
+"""The mailbox layout, as the C ends of a call (`_calls`) get it."""
+
+
 class RankTransport:
-    """The Instance rank's end of its mailbox: one blocking, bounded call per layer."""
+    """The Instance rank's end of its mailbox: one blocking, bounded call per layer (`_calls.RankChannel`)."""
 
     def __init__(self, layout: RankLayout) -> None:
         assert 0 <= layout.tp_rank < layout.tp <= MAX_TP, (layout.tp_rank, layout.tp)
         self.model = layout.model
-        self.mailbox = Mailbox.open(layout.mailbox)
-        w = self.mailbox.words
-        inboxes = {agent: Inbox.open(name, agent) for agent, name in layout.inboxes.items()}
-        self.layer_inboxes = [[inboxes[a] for a in group] for group in layout.layer_agents]
-        assert max(map(len, self.layer_inboxes)) <= self.mailbox.shards, "mailbox has too few output planes"
-        self.peers = {agent: inbox.peer() for agent, inbox in inboxes.items()}
+        mb = self.mailbox = Mailbox.open(layout.mailbox)
+        assert mb.readers == layout.tp, (mb.readers, layout.tp)
+        self.max_rows, self.hidden, self.dtype = mb.max_rows, mb.hidden, mb.dtype
+        agents = sorted(layout.inboxes)
+        inboxes = [Inbox.open(layout.inboxes[agent], agent) for agent in agents]
+        self.layer_agents = layout.layer_agents
+        assert max(map(len, self.layer_agents)) <= mb.shards, "mailbox has too few output planes"
+        self.peers = [inbox.peer() for inbox in inboxes]
         self.bound_s = layout.timeout_s
-        self.seq = w[W_REQ_SEQ]
-        self.latency = LatencyHistogram()
-        self.tp_rank, self.followers = layout.tp_rank, range(1, layout.tp)
-        if self.tp_rank:
-            w[ack_word(self.tp_rank) + 1] = os.getpid()  # the follower's pid word
+        self.reader = layout.tp_rank
+        base = self.reader * READER_STATS_WORDS
+        self.stats = mb.stats[base : base + READER_STATS_WORDS]
+        self.channel = RankChannel(
+            layout=LAYOUT,
+            base=mb.seg.addr,
+            reader=self.reader,
+            readers=layout.tp,
+            hidden=mb.hidden,
+            itemsize=mb.dtype.itemsize,
+            bf16=mb.dtype == torch.bfloat16,
+            max_rows=mb.max_rows,
+            groups=[[agents.index(a) for a in group] for group in layout.layer_agents],
+            doorbells=[inbox.doorbell.address for inbox in inboxes],
+            pidfds=[peer.fd for peer in self.peers],
+            bound_ns=int(layout.timeout_s * 1e9),
+            spin_ns=int(SPIN_S * 1e9),
+            slice_ns=int(SLICE_S * 1e9),
+            buckets_ns=LATENCY_BUCKETS_NS,
+        )
+        self._keep = (inboxes, self.peers)  # the channel points into their mappings and pidfds
+        if self.reader:
+            mb.words[ack_word(self.reader) + 1] = os.getpid()  # the follower's pid word
         else:
-            w[W_RANK_PID] = os.getpid()
+            mb.words[W_RANK_PID] = os.getpid()
+        self.heartbeat()
 
-    def _check(self, group: list[Inbox], during: str) -> None:
-        reason = self.mailbox.fence_reason()
-        if reason is not None:
-            raise FfnFenced(f"{reason}{during}")
-        for inbox in group:
-            peer = self.peers[inbox.agent]
-            if not peer.alive():
-                raise FfnPeerExited(f"FFN pool failed: {peer} exited{during}")
+    @property
+    def seq(self) -> int:
+        return int(self.channel.seq)
+
+    def heartbeat(self) -> None:
+        """Tell the daemon this rank lives (it reads the timestamp from the mailbox)."""
+        self.stats[R_HEARTBEAT_NS] = time.monotonic_ns()
 
     def call(self, layer: int, hidden: torch.Tensor, out: torch.Tensor) -> None:
-        mb = self.mailbox
+        """FFN of layer `layer` for `hidden` [rows, hidden] into `out` (same shape and dtype)."""
         rows = hidden.shape[0]
-        if hidden.dim() != 2 or hidden.shape[1] != mb.hidden or hidden.dtype != mb.dtype:
-            raise FfnCallRejected(
-                f"FFN call for layer {layer} of {self.model}: expected [rows, {mb.hidden}] {mb.dtype}, "
-                f"got {list(hidden.shape)} {hidden.dtype}"
-            )
-        if rows > mb.max_rows:
-            raise FfnCallRejected(
-                f"FFN call for layer {layer} of {self.model} carries {rows} rows; the mailbox holds "
-                f"{mb.max_rows} (raise limits.max_batched_tokens)"
-            )
+        if hidden.dtype != self.dtype or hidden.dim() != 2 or hidden.shape[1] != self.hidden or rows > self.max_rows:
+            raise self._rejected(layer, hidden)
         if rows == 0:
             return
-        start = time.perf_counter()
-        group = self.layer_inboxes[layer]
-        if self.tp_rank:
-            self._follow(layer, rows, group)
-        else:
-            mb.input[:rows].copy_(hidden)
-            self._round_trip(layer, rows, group)
-        if len(group) == 1:
-            out.copy_(mb.outputs[0][:rows])
-        else:
-            total = mb.outputs[0][:rows].float()
-            for plane in mb.outputs[1 : len(group)]:
-                total += plane[:rows]
-            out.copy_(total)
-        if self.tp_rank:
-            mb.words[ack_word(self.tp_rank)] = self.seq
-            futex_wake(mb.seg.word_addr(ack_word(self.tp_rank)))
-        self.latency.observe(time.perf_counter() - start)
-
-    def metrics(self) -> MemberMetrics:
-        return MemberMetrics(ffn_calls={self.model: self.latency.snapshot()})
+        if out.shape != hidden.shape or out.dtype != self.dtype:
+            raise FfnCallRejected(
+                f"FFN call for layer {layer} of {self.model}: output {list(out.shape)} {out.dtype} for input "
+                f"{list(hidden.shape)} {hidden.dtype}"
+            )
+        target = out if out.is_contiguous() else torch.empty_like(hidden, memory_format=torch.contiguous_format)
+        status = self.channel.call(layer, hidden.contiguous().data_ptr(), target.data_ptr(), rows)
+        if status:
+            raise self._failure(status, layer, rows)
+        if target is not out:
+            out.copy_(target)
 
     def probe(self, rows: int = 1) -> None:
         """A call the first FfnAgent answers without computing: the Transport+Fabric round trip."""
-        self._round_trip(PROBE_LAYER, rows, self.layer_inboxes[0][:1])
+        status = self.channel.probe(rows)
+        if status:
+            raise self._failure(status, None, rows)
 
-    def _round_trip(self, layer: int, rows: int, group: list[Inbox]) -> None:
-        w = self.mailbox.words
-        if w[W_FENCE]:
-            raise FfnFenced(f"{self.mailbox.fence_reason()} during layer {layer} of {self.model}")
-        deadline = time.monotonic() + self.bound_s
-        for follower in self.followers:  # they must have read the previous call's planes
-            who = f"attention TP rank {follower} of {self.model}"
-            self._wait_word(ack_word(follower), self.seq, deadline, group, who, f" before layer {layer}")
-        now = time.monotonic_ns()
-        w[W_LAYER], w[W_ROWS], w[W_SUBMIT_LO], w[W_SUBMIT_HI] = layer, rows, now & SEQ_MASK, now >> 32
-        seq = self.seq = (self.seq + 1) & SEQ_MASK
-        w[W_REQ_SEQ] = seq
-        for inbox in group:
-            inbox.ring()
-        self._wait_replies(seq, layer, rows, group, time.monotonic() + self.bound_s)
-
-    def _follow(self, layer: int, rows: int, group: list[Inbox]) -> None:
-        """A TP follower's call: the leader publishes the same call; wait for its replies."""
-        seq = self.seq = (self.seq + 1) & SEQ_MASK
-        self._wait_replies(seq, layer, rows, group, time.monotonic() + self.bound_s)
-        w = self.mailbox.words
-        if (w[W_LAYER], w[W_ROWS]) != (layer, rows):
-            raise RankDisagreement(
-                f"attention TP ranks of {self.model} disagree: call {seq} is layer {w[W_LAYER]} with "
-                f"{w[W_ROWS]} rows on rank 0, layer {layer} with {rows} rows on rank {self.tp_rank}"
+    def _rejected(self, layer: int, hidden: torch.Tensor) -> FfnCallRejected:
+        if hidden.dim() != 2 or hidden.shape[1] != self.hidden or hidden.dtype != self.dtype:
+            return FfnCallRejected(
+                f"FFN call for layer {layer} of {self.model}: expected [rows, {self.hidden}] {self.dtype}, "
+                f"got {list(hidden.shape)} {hidden.dtype}"
             )
+        return FfnCallRejected(
+            f"FFN call for layer {layer} of {self.model} carries {hidden.shape[0]} rows; the mailbox holds "
+            f"{self.max_rows} (raise limits.max_batched_tokens)"
+        )
 
-    def _wait_replies(self, seq: int, layer: int, rows: int, group: list[Inbox], deadline: float) -> None:
-        for shard in range(len(group)):
-            who = f"FFN pool failed: FfnAgent {group[shard].agent!r}"
-            during = f" during layer {layer} of {self.model}"
-            self._wait_word(resp_word(shard), seq, deadline, group, who, during, f" ({rows} rows)")
-            if self.mailbox.words[W_STATUS + 16 * shard] != STATUS_OK:
-                raise FfnAgentFailed(self.mailbox.error_text(shard))
-
-    def _wait_word(
-        self, word: int, target: int, deadline: float, group: list[Inbox], who: str, during: str, detail: str = ""
-    ) -> None:
-        value = self.mailbox.words[word]
-        while value != target:
-            try:
-                value = wait_word_change(
-                    self.mailbox.seg, word, value, deadline=deadline, check=lambda: self._check(group, during)
-                )
-            except TimeoutError:
-                raise FfnTimeout(f"{who} did not answer within {self.bound_s:g} s{during}{detail}") from None
+    def _failure(self, status: int, layer: int | None, rows: int) -> FfnCallError:
+        """The typed error of a failed call (the channel's status and the index it names)."""
+        during = f" during layer {layer} of {self.model}" if layer is not None else f" during a probe of {self.model}"
+        index = self.channel.failed_index
+        if status == calls.FENCED:
+            return FfnFenced(f"{self.mailbox.fence_reason()}{during}")
+        if status == calls.PEER_EXITED:
+            return FfnPeerExited(f"FFN pool failed: {self.peers[index]} exited{during}")
+        group = self.layer_agents[layer if layer is not None else 0]
+        if status == calls.AGENT_ERROR:
+            return FfnAgentFailed(self.mailbox.error_text(index))
+        if status == calls.DISAGREE:
+            w = self.mailbox.words
+            return RankDisagreement(
+                f"attention TP ranks of {self.model} disagree: call {self.seq} is layer {w[W_LAYER]} with "
+                f"{w[W_ROWS]} rows on rank 0, layer {layer} with {rows} rows on rank {self.reader}"
+            )
+        assert status == calls.TIMEOUT, status
+        bound = f"{self.bound_s:g} s"
+        if index < 0:
+            return FfnTimeout(f"attention TP rank {-index} of {self.model} did not answer within {bound}{during}")
+        agent = group[index]
+        return FfnTimeout(f"FFN pool failed: FfnAgent {agent!r} did not answer within {bound}{during} ({rows} rows)")

@@ -12,16 +12,11 @@ each GEMM is the one the engine itself would run on this CPU.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 
+from crosspool.kernels import LinearFactory
 from crosspool.models.spec import ActivationMath
-
-Linear = Callable[[torch.Tensor], torch.Tensor]
-LinearFactory = Callable[[torch.Tensor], Linear]
-"""weight [out, in] -> the kernel computing x @ weight.T"""
 
 
 class GatedDenseFfn:
@@ -39,9 +34,10 @@ class GatedDenseFfn:
         self.gate_up = linear(torch.cat([gate, up], dim=0).contiguous())
         self.down = linear(down.contiguous())
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The FFN of `x`, written into `out` when given (the down GEMM writes it directly)."""
         gate_up = self.gate_up(x)
         if self.fp32_activation:
             gate_up = gate_up.float()
         gate, up = gate_up.split(self.intermediate, dim=-1)
-        return self.down((F.silu(gate) * up).to(x.dtype))
+        return self.down((F.silu(gate) * up).to(x.dtype), out)

@@ -8,26 +8,11 @@ combination in fp32 in compile mode (`ActivationMath`, as for dense FFNs).
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
 
 from crosspool.agents.ffn.dense import GatedDenseFfn
+from crosspool.kernels import MoeKernel
 from crosspool.models.spec import ActivationMath
-
-
-class MoeKernel(Protocol):
-    def router_logits(self, x: torch.Tensor) -> torch.Tensor:
-        """The router GEMM as the engine computes it (the logits it routes on)."""
-        ...
-
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per token the top-k router weights (fp32) and expert ids (int32), in the engine's order."""
-        ...
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """The routed experts' weighted sum, before routed scaling and shared experts."""
-        ...
 
 
 class RoutedMoeFfn:
@@ -39,11 +24,16 @@ class RoutedMoeFfn:
         self.scale = routed_scaling_factor
         self.fp32 = math == "fp32"
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The MoE FFN of `x`, written into `out` when given."""
         routed = self.kernel(x)
         if self.fp32:
-            out = routed.float() * self.scale if self.scale != 1.0 else routed.float()
-            return (out + self.shared(x).float() if self.shared else out).to(x.dtype)
+            total = routed.float() * self.scale if self.scale != 1.0 else routed.float()
+            if self.shared:
+                total += self.shared(x).float()
+            return total.to(x.dtype) if out is None else out.copy_(total)
         if self.scale != 1.0:
             routed *= self.scale
-        return self.shared(x) + routed if self.shared else routed
+        if self.shared:
+            return torch.add(self.shared(x), routed, out=out) if out is not None else self.shared(x) + routed
+        return routed if out is None else out.copy_(routed)

@@ -2,42 +2,22 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 from safetensors import safe_open
 
-from crosspool.agents.ffn.dense import GatedDenseFfn, Linear
-from crosspool.agents.ffn.moe import MoeKernel, RoutedMoeFfn
+from crosspool.agents.ffn.dense import GatedDenseFfn
+from crosspool.agents.ffn.moe import RoutedMoeFfn
+from crosspool.kernels import EngineKernels
 from crosspool.models import spec as ffn_spec
-from crosspool.models.spec import DTYPES, ActivationMath, LayerFfn, ModelFfnSpec, MoeRouting
-
-LayerExecutor = Callable[[torch.Tensor], torch.Tensor]
+from crosspool.models.spec import DTYPES, ActivationMath, LayerFfn, ModelFfnSpec
 
 
-class EngineKernels(Protocol):
-    """An engine integration's kernel module (`crosspool.integrations.kernels(engine)`): `moe` takes
-    router [E, H], correction bias [E] or None, w13 [E, 2I, H] (gate rows first), w2 [E, H, I]."""
-
-    def linear(self, weight: torch.Tensor, /) -> Linear: ...
-
-    def moe(
-        self,
-        router: torch.Tensor,
-        bias: torch.Tensor | None,
-        w13: torch.Tensor,
-        w2: torch.Tensor,
-        routing: MoeRouting,
-        /,
-    ) -> MoeKernel: ...
-
-
-if TYPE_CHECKING:  # mypy checks that each integration's kernel module is an EngineKernels
-    from crosspool.integrations.sglang import kernels as _sglang_kernels
-    from crosspool.integrations.vllm import kernels as _vllm_kernels
-
-    _KERNELS: tuple[EngineKernels, ...] = (_vllm_kernels, _sglang_kernels)
+class LayerExecutor(Protocol):
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The layer's FFN of `x` [rows, hidden], written into `out` when given."""
+        ...
 
 
 def shard_range(size: int, index: int, count: int) -> tuple[int, int]:

@@ -6,14 +6,14 @@ which the pool does not reproduce, so it refuses to build kernels there."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import NoReturn
 
 import torch
-import torch.nn.functional as F
+
+from crosspool.kernels import Linear, plain_linear
 
 
-def linear(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+def linear(weight: torch.Tensor) -> Linear:
     """`x -> x @ weight.T` as SGLang's CPU linear layers compute it (`weight` is [out, in])."""
     from sglang.srt.utils.common import cpu_has_amx_support
 
@@ -22,7 +22,7 @@ def linear(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
             "SGLang on this AMX CPU computes linears with sgl_kernel's packed GEMM, which the CrossPool "
             "FFN pool does not reproduce; serve this model through vLLM"
         )
-    return lambda x: F.linear(x, weight)
+    return plain_linear(weight)
 
 
 def moe(*args: object) -> NoReturn:

@@ -14,8 +14,7 @@ import torch
 
 from crosspool import envs
 from crosspool.config import ModelConfig
-from crosspool.integrations import command_flags
-from crosspool.integrations.cpus import cpu_binding
+from crosspool.integrations import command_flags, threads_bind
 from crosspool.integrations.sglang.options import FAMILIES, engine_arg_problems
 from crosspool.models.spec import ActivationMath, dtype_bytes
 
@@ -86,17 +85,16 @@ def kv_cache_tokens(model: ModelConfig) -> int:
     return model.kv_cache_gib * 2**30 // (per_token * dtype_bytes(model.dtype))
 
 
-def engine_env(model: ModelConfig, plan_path: Path | None) -> dict[str, str]:
-    """Environment of an engine process; `plan_path` None means native SGLang (no CrossPool)."""
+def engine_env(model: ModelConfig, plan_path: Path | None, rank_cpus: list[list[int]]) -> dict[str, str]:
+    """Environment of an engine process; `plan_path` None means native SGLang (no CrossPool). Its
+    schedulers bind to `rank_cpus` (SGLANG_CPU_OMP_THREADS_BIND, one group per rank)."""
     env = envs.sharing_cores(os.environ)
-    workers = model.attention_tp * model.attention_dp
+    assert len(rank_cpus) == model.attention_tp * model.attention_dp, rank_cpus
     env.update(
         SGLANG_USE_CPU_ENGINE="1",
         SGLANG_PLUGINS="crosspool",
         PYTHONUNBUFFERED="1",
-        # Checked against the NUMA nodes even where it is not applied (no AMX): one group per worker.
-        SGLANG_CPU_OMP_THREADS_BIND=env.get("SGLANG_CPU_OMP_THREADS_BIND")
-        or cpu_binding(workers, sorted(os.sched_getaffinity(0))),
+        SGLANG_CPU_OMP_THREADS_BIND=threads_bind(rank_cpus),
     )
     env.pop(envs.PLAN, None)
     if plan_path is not None:

@@ -15,11 +15,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from crosspool.kernels import Linear
 from crosspool.models.spec import MoeRouting
 
 
-def linear(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
-    """`x -> x @ weight.T` as vLLM's CPU linear layers compute it (`weight` is [out, in])."""
+def linear(weight: torch.Tensor) -> Linear:
+    """`x -> x @ weight.T` as vLLM's CPU linear layers compute it (`weight` is [out, in]), able to
+    write into a given output: vLLM's own oneDNN and packed kernels take their output buffer
+    (`torch.ops._C.onednn_mm`, `weight_packed_linear`), so the FfnAgent's down GEMM writes the
+    mailbox's output plane directly; other kernels' results are copied there."""
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
     layer = nn.Module()
@@ -27,7 +31,35 @@ def linear(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
     dispatch_cpu_unquantized_gemm(layer, remove_weight=True)
     kernel: Callable[..., torch.Tensor] = layer.cpu_linear  # type: ignore[assignment]
     kept = layer.weight
-    return lambda x: kernel(x, kept, None)
+    # The dispatch returns a closure over what it prepared; its variables say which kernel it chose.
+    chosen = dict(zip(kernel.__code__.co_freevars, (c.cell_contents for c in kernel.__closure__ or ()), strict=True))
+    n = weight.shape[0]
+    if "handler" in chosen:
+        handler = chosen["handler"]  # its destructor releases the oneDNN primitive: kept by the closure
+        onednn_mm = torch.ops._C.onednn_mm
+
+        def run_onednn(x: torch.Tensor, out: torch.Tensor | None = None, /) -> torch.Tensor:
+            out = x.new_empty(x.shape[0], n) if out is None else out
+            onednn_mm(out, x, None, handler.handler_tensor)
+            return out
+
+        return run_onednn
+    if "packed_weight" in chosen:
+        packed = chosen["packed_weight"]
+        packed_linear = torch.ops._C.weight_packed_linear
+
+        def run_packed(x: torch.Tensor, out: torch.Tensor | None = None, /) -> torch.Tensor:
+            out = x.new_empty(x.shape[0], n) if out is None else out
+            packed_linear(out, x, packed, None, True)
+            return out
+
+        return run_packed
+
+    def run(x: torch.Tensor, out: torch.Tensor | None = None, /) -> torch.Tensor:
+        y = kernel(x, kept, None)
+        return y if out is None else out.copy_(y)
+
+    return run
 
 
 def moe_experts(experts: int, hidden: int, intermediate: int, top_k: int, dtype: torch.dtype) -> Any:

@@ -9,8 +9,7 @@ from typing import Any
 
 from crosspool import envs
 from crosspool.config import ModelConfig
-from crosspool.integrations import command_flags
-from crosspool.integrations.cpus import cpu_binding
+from crosspool.integrations import command_flags, threads_bind
 from crosspool.integrations.vllm.options import engine_arg_problems
 from crosspool.models.spec import ActivationMath
 
@@ -40,8 +39,10 @@ def cache_root(crosspool_enabled: bool) -> Path:
     return envs.cache_root() / ("vllm-crosspool" if crosspool_enabled else "vllm-native")
 
 
-def engine_env(model: ModelConfig, plan_path: Path | None) -> dict[str, str]:
-    """Environment of an engine process; `plan_path` None means native vLLM (no CrossPool)."""
+def engine_env(model: ModelConfig, plan_path: Path | None, rank_cpus: list[list[int]]) -> dict[str, str]:
+    """Environment of an engine process; `plan_path` None means native vLLM (no CrossPool). Its
+    workers bind to `rank_cpus` (VLLM_CPU_OMP_THREADS_BIND; vLLM's "auto" wants a NUMA node per
+    worker and reserves CPUs for its EngineCore, which CrossPool places itself)."""
     env = envs.sharing_cores(os.environ)
     env.update(
         VLLM_CPU_KVCACHE_SPACE=str(model.kv_cache_gib),
@@ -51,9 +52,8 @@ def engine_env(model: ModelConfig, plan_path: Path | None) -> dict[str, str]:
         DO_NOT_TRACK="1",
         PYTHONUNBUFFERED="1",
     )
-    workers = model.attention_tp * model.attention_dp
-    if workers > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(workers, sorted(os.sched_getaffinity(0)))
+    assert len(rank_cpus) == model.attention_tp * model.attention_dp, rank_cpus
+    env["VLLM_CPU_OMP_THREADS_BIND"] = threads_bind(rank_cpus)
     env.pop(envs.PLAN, None)
     if plan_path is not None:
         env.update({envs.PLAN: str(plan_path), envs.MODEL: model.id})

@@ -1,0 +1,26 @@
+"""`crosspool bench NAME ... --out FILE`: the benchmarks, each a module with `main(argv)` that
+writes a JSON report with a `summary` object of its headline figures."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+BENCHES = {
+    "overhead": (
+        "crosspool.bench.overhead",
+        "native engine vs CrossPool serving throughput, per-step breakdown, round trip",
+    ),
+    "executor": ("crosspool.bench.executor", "one FFN layer through the pool vs the same MLP in process"),
+}
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] not in BENCHES:
+        print("usage: crosspool bench {" + ",".join(BENCHES) + "} ... --out FILE\n", file=sys.stderr)
+        for name, (_, what) in BENCHES.items():
+            print(f"  {name:<10} {what}", file=sys.stderr)
+        return 0 if argv[:1] in (["-h"], ["--help"]) else 2
+    module, _ = BENCHES[argv[0]]
+    code: int = importlib.import_module(module).main(argv[1:])
+    return code
