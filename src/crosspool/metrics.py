@@ -1,11 +1,11 @@
 """Metrics: what members count and the daemon's Prometheus view.
 
 The FFN path counts in shared memory: each Instance rank keeps its calls, their time and a latency
-histogram in its mailbox, each FfnAgent its executed calls, compute time and queueing per mailbox
-in its inbox; the daemon reads them when it is scraped (`PoolCounters`). Other members (the front,
-the agents) keep cumulative counters and send them whole in every heartbeat, so a lost heartbeat
-loses nothing; the daemon adds each member's increase since its previous heartbeat to the
-deployment totals. All totals survive generations.
+histogram in its mailbox, each FfnAgent its executed calls, compute time, queueing and last claim
+per mailbox in its inbox; the daemon reads them when it is scraped (`PoolCounters`). The front
+keeps cumulative counters and sends them whole in every heartbeat, so a lost heartbeat loses
+nothing; the daemon adds its increase since its previous heartbeat to the deployment totals. All
+totals survive generations.
 """
 
 from __future__ import annotations
@@ -31,8 +31,6 @@ class MemberMetrics(BaseModel):
     model_config = ConfigDict(extra="forbid")
     requests: dict[Key, dict[Key, Count]] = Field(default_factory=dict, max_length=64)
     """Front: model -> HTTP status class ("2xx", "4xx", "5xx") -> requests."""
-    queue_depth: Count | None = None
-    """FfnAgent: calls published and not yet claimed, sampled at the heartbeat."""
     inflight: Count | None = None
     """Front: requests being answered."""
 
@@ -73,6 +71,8 @@ class PoolCounters:
     """model -> its ranks' calls (attention TP followers count the calls they read too)."""
     executed: dict[tuple[str, str], ExecCounts] = field(default_factory=dict)
     """(agent, model) -> what the agent executed for the model."""
+    queue_depth: dict[str, int] = field(default_factory=dict)
+    """agent -> calls published for it and not claimed yet (a gauge: not added over generations)."""
 
     def add(self, other: PoolCounters) -> None:
         for model, calls in other.calls.items():
@@ -88,7 +88,6 @@ class DeploymentMetrics:
         self.models = set(models)
         self._lock = threading.Lock()
         self.requests: dict[tuple[str, str], int] = {}
-        self.queue_depth: dict[str, int] = {}
         self.failures: dict[str, int] = {}
         self.generation = 0
         self.retired = PoolCounters()
@@ -106,8 +105,6 @@ class DeploymentMetrics:
                     for cls, n in classes.items():
                         key = (model, cls[:3])
                         self.requests[key] = self.requests.get(key, 0) + max(0, n - old.get(cls, 0))
-            if now.queue_depth is not None:
-                self.queue_depth[member] = now.queue_depth
 
     def attach(self, live: Callable[[], PoolCounters]) -> None:
         """Count the current generation's FFN path from `live`."""
@@ -127,7 +124,9 @@ class DeploymentMetrics:
             total = PoolCounters()
             total.add(self.retired)
             if self.live is not None:
-                total.add(self.live())
+                live = self.live()
+                total.add(live)
+                total.queue_depth = live.queue_depth
             return total
 
     def failed(self, kind: str) -> None:
@@ -146,10 +145,6 @@ class DeploymentMetrics:
             for (model, cls), n in sorted(self.requests.items()):
                 c.add_metric([model, cls], n)
             yield c
-            g = GaugeMetricFamily("crosspool_agent_queue_depth", "FFN calls waiting for a lane", labels=["agent"])
-            for agent, n in sorted(self.queue_depth.items()):
-                g.add_metric([agent], n)
-            yield g
             c = CounterMetricFamily("crosspool_failures", "Generation failures by kind", labels=["kind"])
             for kind, n in sorted(self.failures.items()):
                 c.add_metric([kind], n)
@@ -183,3 +178,7 @@ class DeploymentMetrics:
         yield executed
         yield execute
         yield queued
+        g = GaugeMetricFamily("crosspool_agent_queue_depth", "FFN calls waiting for a lane", labels=["agent"])
+        for agent, n in sorted(pool.queue_depth.items()):
+            g.add_metric([agent], n)
+        yield g

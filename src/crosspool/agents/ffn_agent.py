@@ -20,7 +20,6 @@ from crosspool.agents.process import AgentProcess
 from crosspool.fabric.inbox import COUNTERS, Inbox
 from crosspool.integrations import kernels
 from crosspool.ipc import SLICE_S
-from crosspool.metrics import MemberMetrics
 from crosspool.models.spec import load_ffn_spec
 from crosspool.plan import MailboxPlan
 from crosspool.transport._calls import AgentChannel
@@ -97,9 +96,6 @@ class FfnAgent:
         else:
             self.channel.reply(index, seq, shard, STATUS_OK, claimed_ns)
 
-    def metrics(self) -> MemberMetrics:
-        return MemberMetrics(queue_depth=self.channel.pending())
-
     def lane(self) -> None:
         stop, channel = self.proc.stop, self.channel
         # OpenMP's thread count is per thread: a new thread would compute with the host's default.
@@ -122,7 +118,8 @@ class FfnAgent:
         threads = [threading.Thread(target=self.lane, name=f"lane{i}", daemon=True) for i in range(self.lanes)]
         for t in threads:
             t.start()
-        self.proc.ready(self.metrics)
+        self.inbox.heartbeat()
+        self.proc.ready(self.inbox.heartbeat)
         try:
             self.proc.wait_for_stop()
             # Lanes see the stop within a slice; exiting under a lane still inside a torch op

@@ -12,7 +12,6 @@ from pathlib import Path
 
 from crosspool.ipc import Stop, die_with_supervisor
 from crosspool.member import ControlClient
-from crosspool.metrics import MemberMetrics
 from crosspool.plan import Plan
 
 
@@ -26,6 +25,7 @@ class AgentProcess:
         self.plan = Plan.model_validate_json(args.plan.read_text())
         self.control = ControlClient(self.plan, role, self.id)
         self.stop = Stop()
+        self.heartbeat: Callable[[], None] | None = None
         signal.signal(signal.SIGTERM, self.stop.request)
         signal.signal(signal.SIGINT, self.stop.request)
         die_with_supervisor()
@@ -33,10 +33,13 @@ class AgentProcess:
     def log(self, message: str) -> None:
         print(f"[{self.role} {self.id}] {message}", file=sys.stderr, flush=True)
 
-    def ready(self, metrics: Callable[[], MemberMetrics] = MemberMetrics) -> None:
-        """Register with the daemon (the readiness report) and start heartbeats."""
+    def ready(self, heartbeat: Callable[[], None] | None = None) -> None:
+        """Register with the daemon (the readiness report). Then heartbeats: `heartbeat` (a
+        timestamp in shared memory the daemon reads) from `wait_for_stop`, else HTTP ones."""
         self.control.register()
-        self.control.start_heartbeats(metrics)
+        self.heartbeat = heartbeat
+        if heartbeat is None:
+            self.control.start_heartbeats()
         self.log("ready")
 
     def fail(self, message: str) -> None:
@@ -47,6 +50,7 @@ class AgentProcess:
         os._exit(1)
 
     def wait_for_stop(self) -> None:
-        while not self.stop.wait(0.5):
-            pass
+        while not self.stop.wait(self.plan.heartbeat_interval_s):
+            if self.heartbeat is not None:
+                self.heartbeat()
         self.control.close()

@@ -32,7 +32,7 @@ from crosspool.integrations import launcher
 from crosspool.ipc import SegmentMissing, Stop
 from crosspool.metrics import CallCounts, ExecCounts, PoolCounters
 from crosspool.plan import Plan
-from crosspool.transport.mailbox import Mailbox
+from crosspool.transport.mailbox import W_LAYER, W_REQ_SEQ, Mailbox
 
 STOP_ENGINE, STOP_FRONT, STOP_ATN, STOP_FFN = 0, 1, 2, 3
 WATCH_S = 0.1
@@ -100,33 +100,47 @@ class Generation:
             self._start_agent("FfnAgent", "ffn_agent", agent.id, STOP_FFN, agent.cpus)
         for agent in self.plan.ffn_agents:
             self._wait_registered(("FfnAgent", agent.id, 0), f"FfnAgent '{agent.id}'", deadline)
-        self.inboxes = {a.id: Inbox.open(self.plan.inbox_name(a.id), a.id) for a in self.plan.ffn_agents}
         self.state.metrics.attach(self.pool_counters)
+
+    def inbox(self, agent: str) -> Inbox:
+        """The FfnAgent's inbox (it exists once the agent registered)."""
+        if agent not in self.inboxes:
+            self.inboxes[agent] = Inbox.open(self.plan.inbox_name(agent), agent)
+        return self.inboxes[agent]
 
     def pool_counters(self) -> PoolCounters:
         """The FFN path's counters of this generation, read from the mailboxes and inboxes."""
-        counters = PoolCounters()
+        counters = PoolCounters(queue_depth={a.id: 0 for a in self.plan.ffn_agents})
         for mplan, mailbox in zip(self.plan.mailboxes, self.mailboxes, strict=True):
             calls = counters.calls.setdefault(mplan.model, CallCounts())
             for reader in range(mplan.tp):
                 seen = mailbox.reader_stats(reader)
                 calls.add(CallCounts(seen.calls, seen.call_ns / 1e9, list(seen.buckets)))
-            for agent in self.plan.model(mplan.model).agents():
-                done = self.inboxes[agent].agent_stats(mplan.index)
+            model = self.plan.model(mplan.model)
+            request, layer = mailbox.words[W_REQ_SEQ], mailbox.words[W_LAYER]
+            for agent in model.agents():
+                done = self.inbox(agent).agent_stats(mplan.index)
                 counts = ExecCounts(done.executed, done.execute_ns / 1e9, done.queue_ns / 1e9)
                 counters.executed.setdefault((agent, mplan.model), ExecCounts()).add(counts)
+                if request != done.claimed and layer < model.num_layers and agent in model.layer_agents[layer]:
+                    counters.queue_depth[agent] += 1
         return counters
 
-    def _rank_heartbeats(self) -> None:
-        """Ranks beat in their mailboxes (a timestamp), not over HTTP: bring their last_seen up to date."""
+    def _shm_heartbeats(self) -> None:
+        """Ranks and FfnAgents beat in shared memory (a timestamp in their mailbox or inbox), not
+        over HTTP: nothing on the layer-call path waits for the daemon. Bring their last_seen up to
+        date."""
         with self.state.lock:
-            for slot, member in self.state.registry.members.items():
-                role, model_id, rank = slot
+            for (role, name, rank), member in self.state.registry.members.items():
                 if role == "rank" and self.mailboxes:
-                    tp = self.plan.model(model_id).attention_tp
-                    mplan = self.plan.mailboxes_of(model_id)[rank // tp]
+                    tp = self.plan.model(name).attention_tp
+                    mplan = self.plan.mailboxes_of(name)[rank // tp]
                     beat_ns = self.mailboxes[mplan.index].heartbeat_ns(rank % tp)
-                    member.last_seen = max(member.last_seen, beat_ns / 1e9)
+                elif role == "FfnAgent":
+                    beat_ns = self.inbox(name).heartbeat_ns()
+                else:
+                    continue
+                member.last_seen = max(member.last_seen, beat_ns / 1e9)
 
     def start_engines(self, deadline: float) -> None:
         d = self.deployment
@@ -206,7 +220,7 @@ class Generation:
     def failure(self) -> str | None:
         """The first failure of this generation, recorded in the control state; None while healthy."""
         dead = self.sup.exited()
-        self._rank_heartbeats()
+        self._shm_heartbeats()
         if dead is not None:
             errors = dead.errors or self.sup.agent_errors()
             cause = f" ({errors[0]})" if errors else ""

@@ -37,7 +37,7 @@ typedef struct {
     /* byte offsets */
     Py_ssize_t reply_sems, ack_sems, sem_size, max_tp, reader_stats, reader_words, data;
     /* u64 indices within a reader's counters (mailbox), and within an agent's (inbox) */
-    Py_ssize_t r_calls, r_call_ns, r_buckets, c_executed, c_execute_ns, c_queue_ns;
+    Py_ssize_t r_calls, r_call_ns, r_buckets, c_executed, c_execute_ns, c_queue_ns, c_claimed;
     uint32_t probe_layer, status_ok;
 } Layout;
 
@@ -66,13 +66,14 @@ static int parse_layout(PyObject *d, Layout *l) {
     FIELD(reply_sems); FIELD(ack_sems); FIELD(sem_size); FIELD(max_tp); FIELD(reader_stats);
     FIELD(reader_words); FIELD(data); FIELD(r_calls); FIELD(r_call_ns); FIELD(r_buckets);
 #undef FIELD
-    l->c_executed = l->c_execute_ns = l->c_queue_ns = -1;
-    PyObject *c[3] = {PyDict_GetItemString(d, "c_executed"), PyDict_GetItemString(d, "c_execute_ns"),
-                      PyDict_GetItemString(d, "c_queue_ns")};
-    if (c[0] && c[1] && c[2]) { /* an agent's end counts in its inbox */
+    l->c_executed = l->c_execute_ns = l->c_queue_ns = l->c_claimed = -1;
+    PyObject *c[4] = {PyDict_GetItemString(d, "c_executed"), PyDict_GetItemString(d, "c_execute_ns"),
+                      PyDict_GetItemString(d, "c_queue_ns"), PyDict_GetItemString(d, "c_claimed")};
+    if (c[0] && c[1] && c[2] && c[3]) { /* an agent's end counts in its inbox */
         l->c_executed = PyLong_AsSsize_t(c[0]);
         l->c_execute_ns = PyLong_AsSsize_t(c[1]);
         l->c_queue_ns = PyLong_AsSsize_t(c[2]);
+        l->c_claimed = PyLong_AsSsize_t(c[3]);
     }
     PyObject *v = PyDict_GetItemString(d, "probe_layer");
     PyObject *s = PyDict_GetItemString(d, "status_ok");
@@ -436,6 +437,7 @@ static PyObject *claim(AgentChannel *a) {
         if ((uint32_t)(seq - oldest->claimed) >= (1u << 31))
             return Py_BuildValue("(inII)", -1, index, seq, oldest->claimed);
         oldest->claimed = seq;
+        oldest->counters[l->c_claimed] = seq;
         if (layer == l->probe_layer || (layer < oldest->n_layers && oldest->held[layer])) {
             uint64_t now = now_ns();
             oldest->counters[l->c_queue_ns] += now - oldest_ns;
@@ -484,16 +486,6 @@ static PyObject *AgentChannel_reply(AgentChannel *a, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-static PyObject *AgentChannel_pending(AgentChannel *a, PyObject *unused) {
-    long n = 0;
-    for (Py_ssize_t i = 0; i < a->n; i++) {
-        Served *s = &a->served[i];
-        uint32_t layer = s->w[a->l.layer];
-        if (load(&s->w[a->l.req_seq]) != s->claimed && layer < s->n_layers && s->held[layer]) n++;
-    }
-    return PyLong_FromLong(n);
-}
-
 static int AgentChannel_init(AgentChannel *a, PyObject *args, PyObject *kw) {
     static char *names[] = {"layout", "doorbell", "served", NULL};
     PyObject *layout, *served;
@@ -501,7 +493,7 @@ static int AgentChannel_init(AgentChannel *a, PyObject *args, PyObject *kw) {
     if (!PyArg_ParseTupleAndKeywords(args, kw, "OKO", names, &layout, &doorbell, &served)) return -1;
     if (parse_layout(layout, &a->l) < 0) return -1;
     if (a->l.c_executed < 0) {
-        PyErr_SetString(PyExc_KeyError, "an agent's layout needs c_executed, c_execute_ns, c_queue_ns");
+        PyErr_SetString(PyExc_KeyError, "an agent's layout needs c_executed, c_execute_ns, c_queue_ns, c_claimed");
         return -1;
     }
     a->doorbell = (sem_t *)(uintptr_t)doorbell;
@@ -537,6 +529,7 @@ static int AgentChannel_init(AgentChannel *a, PyObject *args, PyObject *kw) {
         memcpy(s->held, held.buf, (size_t)held.len);
         PyBuffer_Release(&held);
         s->claimed = s->w[a->l.req_seq];
+        s->counters[a->l.c_claimed] = s->claimed;
     }
     return 0;
 }
@@ -552,7 +545,6 @@ static PyMethodDef AgentChannel_methods[] = {
      "next_call(timeout_s) -> (index, seq, layer, rows, claimed_ns) | (-1, index, seq, claimed, 0) | None"},
     {"reply", (PyCFunction)AgentChannel_reply, METH_VARARGS,
      "reply(index, seq, shard, status, claimed_ns): answer a call (its plane written); claimed_ns 0 counts nothing"},
-    {"pending", (PyCFunction)AgentChannel_pending, METH_NOARGS, "calls published for this agent, not claimed"},
     {NULL}};
 
 static PyTypeObject AgentChannelType = {
