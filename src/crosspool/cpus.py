@@ -98,9 +98,9 @@ def problems(deployment: Deployment, host: list[int]) -> list[str]:
 
 
 @contextlib.contextmanager
-def spawning_on(cpus: list[int]) -> Iterator[None]:
+def running_on(cpus: list[int]) -> Iterator[None]:
     """While inside, the calling thread runs on `cpus`, and so does every process it starts (a child
-    inherits the affinity of the thread that forks it: no code runs in the child before exec)."""
+    inherits the affinity of the thread that forks it, so it starts there before any of its code runs)."""
     before = os.sched_getaffinity(0)
     os.sched_setaffinity(0, cpus)
     try:
@@ -139,3 +139,9 @@ def pin_process(pid: int, cpus: list[int]) -> None:
             os.sched_setaffinity(int(tid), cpus)
         except (ProcessLookupError, FileNotFoundError):
             continue
+
+
+def place_tree(root: int, placed: dict[int, list[int]], rest: list[int]) -> None:
+    """Every process of `root`'s tree on its CPUs: `placed[pid]`, else `rest`."""
+    for pid in descendants(root):
+        pin_process(pid, placed.get(pid, rest))

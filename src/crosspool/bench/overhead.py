@@ -43,11 +43,11 @@ from crosspool import host
 from crosspool.agents.ffn.weights import load_layers
 from crosspool.bench import procs
 from crosspool.config import ModelConfig, parse_deployment
-from crosspool.cpus import host_cpus
+from crosspool.cpus import place_tree, running_on
 from crosspool.daemon.daemon import running_pool
 from crosspool.daemon.supervisor import Supervisor
 from crosspool.integrations import kernels, launcher
-from crosspool.ipc import bind_port
+from crosspool.ipc import SPIN_S, bind_port
 from crosspool.models.spec import DTYPES, load_ffn_spec
 from crosspool.plan import Plan
 from crosspool.resolve import resolve
@@ -57,6 +57,7 @@ HOST = "127.0.0.1"
 MAX_BATCHED = 2048
 BATCHES = (1, 16)
 START_TIMEOUT_S = 900.0
+RANK_ROLES = ("Worker", "scheduler")  # the engines' rank processes (bench/procs.py)
 REQUEST_TIMEOUT_S = 600.0
 
 
@@ -110,8 +111,8 @@ class Side:
 
 @contextlib.contextmanager
 def native_server(model: ModelConfig, rank_cpus: list[list[int]], log: TextIO) -> Iterator[Side]:
-    """The engine's own OpenAI server, as CrossPool would start it (its ranks on the same CPUs) but
-    without CrossPool."""
+    """The engine's own OpenAI server, started as CrossPool starts its Instance (on its ranks' CPUs,
+    the same binding variables) but without CrossPool."""
     engine = launcher(model.engine)
     port = bind_port(HOST)
     sup = Supervisor("crosspool-bench-native-")  # owns no segments; sweeps the engine's leftovers
@@ -121,7 +122,7 @@ def native_server(model: ModelConfig, rank_cpus: list[list[int]], log: TextIO) -
             engine.server_command(model, MAX_BATCHED, HOST, port),
             engine.engine_env(model, None, rank_cpus),
             stop_order=0,
-            cpus=host_cpus(),
+            cpus=sorted({cpu for rank in rank_cpus for cpu in rank}),
             sink=log,
         )
         yield Side("native", f"http://{HOST}:{port}", child.proc.pid)
@@ -248,9 +249,9 @@ def measure(side: Side, others: list[Side], prompts: list[list[int]], tokens: in
 
 
 def round_trips(plan: Plan, calls: int) -> dict:
-    """Timed from the rank's side, each in its own loop: a probe (Transport + Fabric, no FFN
-    compute), a real one-row layer call, and the same layer computed in this process with the
-    FfnAgent's thread count."""
+    """Timed from the rank's side, on the rank's CPUs, each in its own loop: a probe (Transport +
+    Fabric, no FFN compute), a real one-row layer call, and the same layer computed in this process
+    with the FfnAgent's thread count."""
     model = plan.models[0]
     rank = RankTransport(plan.rank_layout(model.id, 0))
     spec = load_ffn_spec(model.path)
@@ -259,15 +260,16 @@ def round_trips(plan: Plan, calls: int) -> dict:
     out = torch.empty_like(x)
     threads = torch.get_num_threads()
     torch.set_num_threads(plan.ffn_agents[0].threads)
-    try:
-        return {
-            "calls": calls,
-            "probe_round_trip_us": timed_us(rank.probe, calls),
-            "layer_call_us": timed_us(lambda: rank.call(0, x, out), calls),
-            "in_process_ffn_us": timed_us(lambda: layer(x), calls),
-        }
-    finally:
-        torch.set_num_threads(threads)
+    with running_on(model.rank_cpus[0]):
+        try:
+            return {
+                "calls": calls,
+                "probe_round_trip_us": timed_us(rank.probe, calls),
+                "layer_call_us": timed_us(lambda: rank.call(0, x, out), calls),
+                "in_process_ffn_us": timed_us(lambda: layer(x), calls),
+            }
+        finally:
+            torch.set_num_threads(threads)
 
 
 def _median_ratio(runs: list[dict], batch: int) -> dict:
@@ -329,6 +331,11 @@ def main(argv: list[str] | None = None) -> int:
             start = time.monotonic()
             wait_ready([native, pooled], log_path, start + START_TIMEOUT_S)
             say(f"both serving after {time.monotonic() - start:.0f} s")
+            # The native engine's processes where CrossPool places its Instance's (the daemon's
+            # Generation._place_engine): ranks on their CPUs, the others on the control CPUs.
+            ranks = [pid for pid, role in native.processes().items() if role in RANK_ROLES]
+            assert len(ranks) == len(rank_cpus), native.processes()
+            place_tree(native.root, dict(zip(sorted(ranks), rank_cpus, strict=True)), resolved.cpus.control)
             assert pooled.metrics_url is not None
             sides = [native, pooled]
             for side in sides:  # warm-up: first steps, and in compile mode shapes seen the first time
@@ -360,6 +367,8 @@ def main(argv: list[str] | None = None) -> int:
         "prompt_len": args.prompt_len,
         "output_len": args.output_len,
         "repeats": args.repeats,
+        "idle_s": args.idle_s,
+        "spin_us": SPIN_S * 1e6,
         "summary": {
             "ratio_batch1": by_batch["1"]["ratio"],
             "ratio_batch16": by_batch["16"]["ratio"],

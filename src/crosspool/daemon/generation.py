@@ -24,7 +24,7 @@ import httpx
 
 from crosspool import envs
 from crosspool.config import Deployment
-from crosspool.cpus import descendants, pin_process
+from crosspool.cpus import place_tree
 from crosspool.daemon.control import ControlState
 from crosspool.daemon.supervisor import Child, Supervisor, log
 from crosspool.fabric.inbox import Inbox
@@ -171,8 +171,7 @@ class Generation:
                 for slot, m in self.state.registry.members.items()
                 if slot[0] == "rank" and slot[1] == model_id
             }
-        for pid in descendants(self.engines[model_id].proc.pid):
-            pin_process(pid, pids.get(pid, self.plan.control_cpus))
+        place_tree(self.engines[model_id].proc.pid, pids, self.plan.control_cpus)
 
     def _wait_engine(self, model_id: str, deadline: float) -> None:
         what = f"Instance '{model_id}'"

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import TextIO
 
 from crosspool import envs
-from crosspool.cpus import spawning_on
+from crosspool.cpus import running_on
 from crosspool.ipc import ENGINE_LEFTOVERS, shm_names, unlink_orphans, unlink_segments
 
 
@@ -71,7 +71,7 @@ class Supervisor:
     ) -> Child:
         """Start a member in its own session on `cpus`; its output goes, line by line with its
         name, to `sink` (default: stderr)."""
-        with spawning_on(cpus):
+        with running_on(cpus):
             proc = subprocess.Popen(
                 argv,
                 env={**env, envs.SUPERVISOR_PID: str(os.getpid())},

@@ -23,6 +23,7 @@
 
 #include <errno.h>
 #include <poll.h>
+#include <sched.h>
 #include <semaphore.h>
 #include <stdint.h>
 #include <string.h>
@@ -136,9 +137,12 @@ static int rank_wait(RankChannel *r, sem_t *sem, Py_ssize_t word, uint32_t targe
     volatile uint32_t *w = r->w;
     if (load(&w[word]) == target) return OK;
     if (r->spin_ns) {
+        int seen = 0;
+        Py_BEGIN_ALLOW_THREADS
         uint64_t end = now_ns() + r->spin_ns;
-        while (now_ns() < end)
-            if (load(&w[word]) == target) return OK;
+        while (!(seen = load(&w[word]) == target) && now_ns() < end) sched_yield();
+        Py_END_ALLOW_THREADS
+        if (seen) return OK;
     }
     for (;;) {
         int woken;
@@ -409,8 +413,17 @@ typedef struct {
     sem_t *doorbell;
     Served *served;
     Py_ssize_t n;
-    uint64_t slice_ns;
+    uint64_t spin_ns;
 } AgentChannel;
+
+/* A call published and not claimed (read without the GIL: words only). */
+static int any_published(AgentChannel *a) {
+    for (Py_ssize_t i = 0; i < a->n; i++) {
+        Served *s = &a->served[i];
+        if (load(&s->w[a->l.req_seq]) != s->claimed && !load(&s->w[a->l.fence])) return 1;
+    }
+    return 0;
+}
 
 /* The oldest published, unclaimed call for this agent: (index, seq, layer, rows, claimed_ns), a
  * stale publication as (-1, index, seq, claimed, 0), or None. */
@@ -453,12 +466,26 @@ static PyObject *AgentChannel_next_call(AgentChannel *a, PyObject *args) {
     double timeout_s;
     if (!PyArg_ParseTuple(args, "d", &timeout_s)) return NULL;
     Py_BEGIN_ALLOW_THREADS
+    if (a->spin_ns) {
+        /* Watch the mailboxes, yielding the CPU to anything else runnable on it; then block. The
+         * doorbell counts of calls found this way are dropped before blocking. */
+        uint64_t end = now_ns() + a->spin_ns;
+        int found = 0;
+        while (!(found = any_published(a)) && now_ns() < end) sched_yield();
+        if (!found) {
+            while (sem_trywait(a->doorbell) == 0) {
+            }
+            found = any_published(a);
+        }
+        if (found) goto claim_it;
+    }
     struct timespec at;
     clock_gettime(CLOCK_MONOTONIC, &at);
     uint64_t ns = (uint64_t)at.tv_nsec + (uint64_t)(timeout_s * 1e9);
     at.tv_sec += (time_t)(ns / 1000000000ull);
     at.tv_nsec = (long)(ns % 1000000000ull);
     sem_clockwait(a->doorbell, CLOCK_MONOTONIC, &at);
+claim_it:
     Py_END_ALLOW_THREADS
     return claim(a);
 }
@@ -487,10 +514,11 @@ static PyObject *AgentChannel_reply(AgentChannel *a, PyObject *args) {
 }
 
 static int AgentChannel_init(AgentChannel *a, PyObject *args, PyObject *kw) {
-    static char *names[] = {"layout", "doorbell", "served", NULL};
+    static char *names[] = {"layout", "doorbell", "served", "spin_ns", NULL};
     PyObject *layout, *served;
-    unsigned long long doorbell;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OKO", names, &layout, &doorbell, &served)) return -1;
+    unsigned long long doorbell, spin_ns = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OKO|K", names, &layout, &doorbell, &served, &spin_ns)) return -1;
+    a->spin_ns = spin_ns;
     if (parse_layout(layout, &a->l) < 0) return -1;
     if (a->l.c_executed < 0) {
         PyErr_SetString(PyExc_KeyError, "an agent's layout needs c_executed, c_execute_ns, c_queue_ns, c_claimed");

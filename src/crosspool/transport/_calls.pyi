@@ -37,7 +37,12 @@ class RankChannel:
 
 class AgentChannel:
     def __init__(
-        self, *, layout: dict[str, int], doorbell: int, served: Sequence[tuple[int, int, int, bytes]]
+        self,
+        *,
+        layout: dict[str, int],
+        doorbell: int,
+        served: Sequence[tuple[int, int, int, bytes]],
+        spin_ns: int = 0,
     ) -> None: ...
     def next_call(self, timeout_s: float, /) -> tuple[int, int, int, int, int] | tuple[int, int, int, int] | None: ...
     def reply(self, index: int, seq: int, shard: int, status: int, claimed_ns: int, /) -> None: ...
