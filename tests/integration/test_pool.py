@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from conftest import assert_nothing_left, crosspool_shm, frozen
+from crosspool import envs
 from crosspool.agents.ffn.weights import load_layers
 from crosspool.config import parse_deployment
 from crosspool.daemon.daemon import running_pool
@@ -35,7 +36,7 @@ def _model(model_id: str, path: object, **extra: object) -> str:
 def shared(tiny_models):
     """One pool for the tests that leave it working: three FfnAgents; q pinned to ffn0, p (the
     probe's) to ffn2, spread's layers placed over the agents, q2 / q3 at FFN TP 2 / 3 (256
-    intermediate rows: 86/85/85 for three), tp at attention TP 2."""
+    intermediate rows: 86/85/85 for three), f2 at FFN TP 2 in float32, tp at attention TP 2."""
     shm_before = crosspool_shm()
     path = tiny_models["qwen3"]
     d = parse_deployment(
@@ -46,6 +47,7 @@ def shared(tiny_models):
         + _model("spread", path)
         + _model("q2", path, ffn_tp=2)
         + _model("q3", path, ffn_tp=3)
+        + _model("f2", path, ffn_tp=2, dtype="float32")
         + _model("tp", path, attention_tp=2)
     )
     with running_pool(resolve(d)) as gen:
@@ -107,26 +109,26 @@ def test_layers_spread_over_agents(shared, reference):
         assert torch.equal(out, reference[layer](x))
 
 
-def test_ffn_tensor_parallel_2_and_3(shared, reference, tiny_models):
+@pytest.mark.parametrize(("model", "k", "dtype"), [("q2", 2, "bfloat16"), ("q3", 3, "bfloat16"), ("f2", 2, "float32")])
+def test_ffn_tensor_parallel(shared, reference, tiny_models, model, k, dtype):
     """The result is the shards' outputs added in shard order in fp32, cast once: bit-equal to
     that sum in process and close to the unsplit FFN."""
     spec, engine = load_ffn_spec(tiny_models["qwen3"]), kernels("vllm")
-    for k in (2, 3):
-        assert all(len(group) == k for group in shared.plan.model(f"q{k}").layer_agents)
-        rank = RankTransport(shared.plan.rank_layout(f"q{k}", 0))
-        shards = [load_layers(spec, "bfloat16", "fp32", engine, None, dict.fromkeys((0, 1), (i, k))) for i in range(k)]
-        torch.manual_seed(k)
-        for rows in (1, 33, 256):
-            x = _rows(rows)
-            for layer in (0, 1):
-                out = torch.empty_like(x)
-                rank.call(layer, x, out)
-                expected = shards[0][layer](x).float()
-                for shard in shards[1:]:
-                    expected += shard[layer](x)
-                assert torch.equal(out, expected.to(torch.bfloat16))
-                ref = reference[layer](x).float()
-                assert ((out.float() - ref).norm() / ref.norm()).item() < 0.01
+    assert all(len(group) == k for group in shared.plan.model(model).layer_agents)
+    rank = RankTransport(shared.plan.rank_layout(model, 0))
+    shards = [load_layers(spec, dtype, "fp32", engine, None, dict.fromkeys((0, 1), (i, k))) for i in range(k)]
+    torch.manual_seed(k)
+    for rows in (1, 33, 256):
+        x = _rows(rows).to(getattr(torch, dtype))
+        for layer in (0, 1):
+            out = torch.empty_like(x)
+            rank.call(layer, x, out)
+            expected = shards[0][layer](x).float()
+            for shard in shards[1:]:
+                expected += shard[layer](x)
+            assert torch.equal(out, expected.to(x.dtype))
+            ref = reference[layer](x.to(torch.bfloat16)).float()
+            assert ((out.float() - ref).norm() / ref.norm()).item() < 0.01
 
 
 def test_attention_tp_ranks_share_one_call_per_layer(shared, reference):
@@ -172,6 +174,27 @@ def test_probe_is_answered_by_the_agent_without_computing(shared):
     assert after.calls["p"].count - before.calls["p"].count == 3
     with frozen(_member(shared, "FfnAgent 'ffn2'")), pytest.raises(FfnTimeout):
         rank.probe()  # nobody else answers for the agent
+
+
+def test_spinning_ends_compute_alike_and_still_time_out(tiny_models, reference, monkeypatch, no_leftovers):
+    """CROSSPOOL_SPIN_US: both ends watch the mailbox (yielding the CPU) before they sleep. Results
+    are the same bits, and a stopped agent still fails the call within its bound."""
+    from crosspool.transport import mailbox
+
+    monkeypatch.setenv(envs.SPIN_US, "2000")  # the agents read it at start
+    monkeypatch.setattr(mailbox, "SPIN_S", 0.002)  # this process, the rank
+    d = parse_deployment("[limits]\nmax_batched_tokens = 256\nffn_timeout_s = 2\n" + _model("q", tiny_models["qwen3"]))
+    with running_pool(resolve(d)) as gen:
+        rank = RankTransport(gen.plan.rank_layout("q", 0))
+        torch.manual_seed(1)
+        for rows in (1, 64):
+            for layer in (0, 1):
+                x = _rows(rows)
+                out = torch.empty_like(x)
+                rank.call(layer, x, out)
+                assert torch.equal(out, reference[layer](x))
+        with frozen(_member(gen, "FfnAgent 'ffn0'")), pytest.raises(FfnTimeout):
+            rank.call(0, x, torch.empty_like(x))
 
 
 def test_dead_ffn_agent_is_named(lone):

@@ -3,9 +3,10 @@ plain torch in this process.
 
     crosspool bench executor [--model DIR] [--dtype bfloat16] [--threads 1] [--repeats 3] --out FILE
 
-Each FfnAgent computes with `--threads` torch threads; the in-process baseline runs with the
-same total thread count as the pool row it is compared with (TP k: k x threads), on the same
-seeded input. Two baselines: plain `F.linear` (the target's), and the engine's own linear
+Each FfnAgent computes with `--threads` torch threads on a CPU of its own (agent i on the i-th CPU
+this process may use), this process calls as the rank on the first; the in-process baseline runs
+with the same total thread count as the pool row it is compared with (TP k: k x threads), on the
+same CPUs and the same seeded input. Two baselines: plain `F.linear` (the target's), and the engine's own linear
 kernels in this process (what the pool computes with, so that ratio is the executor's cost
 alone: transport, sharding, the fp32 reduction). Pool and baselines alternate within each
 repeat; the report gives median rows/s and the ratios per (rows, TP).
@@ -25,6 +26,7 @@ from crosspool import host
 from crosspool.agents.ffn.weights import load_layers
 from crosspool.bench.overhead import timed_us
 from crosspool.config import parse_deployment
+from crosspool.cpus import host_cpus, running_on
 from crosspool.daemon.daemon import running_pool
 from crosspool.integrations import kernels
 from crosspool.kernels import Linear, MoeKernel, plain_linear
@@ -37,11 +39,16 @@ TP_DEGREES = (1, 2)
 CALLS = {1: 300, 16: 150, 256: 20, 2048: 4}
 
 
-def _deployment(model: Path, dtype: str, threads: int) -> str:
+def _deployment(model: Path, dtype: str, threads: int, cpus: list[int]) -> str:
+    """Agent i on `cpus[i]`, both models' ranks (this process) on `cpus[0]`: at TP 1 the rank and
+    its agent share a CPU, as a deployment places them."""
     text = f"[limits]\nmax_batched_tokens = {max(ROWS)}\n"
-    text += "".join(f'[[ffn_agent]]\nid = "ffn{i}"\nthreads = {threads}\n' for i in range(max(TP_DEGREES)))
+    text += "".join(
+        f'[[ffn_agent]]\nid = "ffn{i}"\nthreads = {threads}\ncpus = [{cpus[i]}]\n' for i in range(max(TP_DEGREES))
+    )
     for k in TP_DEGREES:
         text += f'[[model]]\nid = "tp{k}"\npath = "{model}"\nengine = "vllm"\ndtype = "{dtype}"\nffn_tp = {k}\n'
+        text += f"rank_cpus = [[{cpus[0]}]]\n"
     return text
 
 
@@ -72,7 +79,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     model = args.model or prepare_smollm2()
     spec = load_ffn_spec(model)
-    resolved = resolve(parse_deployment(_deployment(model, args.dtype, args.threads), "bench"), "bench")
+    cpus = host_cpus()
+    if len(cpus) < max(TP_DEGREES):
+        p.error(f"needs {max(TP_DEGREES)} CPUs, this process may use {cpus}")
+    resolved = resolve(parse_deployment(_deployment(model, args.dtype, args.threads, cpus), "bench"), "bench")
     # The in-process MLPs: plain F.linear, and the plan's engine kernels; both with the activation
     # as the pool computes it for this plan.
     pooled = resolved.plan().models[0]
@@ -93,13 +103,15 @@ def main(argv: list[str] | None = None) -> int:
                 out = torch.empty_like(x)
                 for k, rank in ranks.items():
                     calls, case = CALLS[rows], samples[rows, k]
-                    case["pool"].append(
-                        timed_us(lambda: rank.call(args.layer, x, out), calls, warmup=2)["p50"]  # noqa: B023
-                    )
+                    with running_on(cpus[:1]):
+                        case["pool"].append(
+                            timed_us(lambda: rank.call(args.layer, x, out), calls, warmup=2)["p50"]  # noqa: B023
+                        )
                     torch.set_num_threads(k * args.threads)
                     try:
-                        for name, ffn in baselines.items():
-                            case[name].append(timed_us(lambda: ffn(x), calls, warmup=2)["p50"])  # noqa: B023
+                        with running_on(cpus[:k]):  # the same CPUs as the pool's agents
+                            for name, ffn in baselines.items():
+                                case[name].append(timed_us(lambda: ffn(x), calls, warmup=2)["p50"])  # noqa: B023
                     finally:
                         torch.set_num_threads(threads)
     cases = []

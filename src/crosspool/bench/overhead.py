@@ -2,13 +2,15 @@
 
     crosspool bench overhead [--engine vllm|sglang] [--dtype D] [--eager] [--repeats N] --out FILE
 
-One invocation starts the native engine's OpenAI server and a CrossPool deployment of the same
-model with the same engine arguments (`crosspool daemon`: FFN pool, engine, front), side by side
-on this host's CPUs, and sends both the same greedy requests (token-id prompts, `ignore_eos`),
-alternating native and CrossPool for every batch size and repeat. Only the side being measured
-works; the other is idle (an idle vLLM worker stops polling 1 s after its last step, so each run
-starts after `--idle-s`). Each CrossPool run must have made its pool execute at least one call
-per layer and generated token; each native run must have made it execute none.
+One invocation starts the native engine's OpenAI server (the engine's own defaults on this host's
+CPUs) and a CrossPool deployment of the same model with the same engine arguments (`crosspool
+daemon`: FFN pool, engine, front, as planned), side by side, and sends both the same greedy
+requests (token-id prompts, `ignore_eos`), alternating native and CrossPool for every batch size
+and repeat. Only the measured side's engine runs: the other's processes are stopped (SIGSTOP)
+until its turn, since an idle engine still polls (SGLang's scheduler takes its whole CPU, vLLM's
+worker 1 s after its last step); the CrossPool deployment's heartbeat timeout is raised so that a
+stopped rank does not fail it. Each CrossPool run must have made its pool execute at least one
+call per layer and generated token; each native run must have made it execute none.
 
 Per run the report has the throughput, per process role of both sides the CPU time and run-queue
 wait over the timed window (`/proc/PID/task/TID/schedstat`) and the CPUs each role may use; per
@@ -24,7 +26,9 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -43,7 +47,7 @@ from crosspool import host
 from crosspool.agents.ffn.weights import load_layers
 from crosspool.bench import procs
 from crosspool.config import ModelConfig, parse_deployment
-from crosspool.cpus import place_tree, running_on
+from crosspool.cpus import descendants, host_cpus, running_on
 from crosspool.daemon.daemon import running_pool
 from crosspool.daemon.supervisor import Supervisor
 from crosspool.integrations import kernels, launcher
@@ -57,7 +61,7 @@ HOST = "127.0.0.1"
 MAX_BATCHED = 2048
 BATCHES = (1, 16)
 START_TIMEOUT_S = 900.0
-RANK_ROLES = ("Worker", "scheduler")  # the engines' rank processes (bench/procs.py)
+STOPPED_SIDE_TIMEOUT_S = 120  # a CrossPool rank stopped while native runs (alone()) beats again after
 REQUEST_TIMEOUT_S = 600.0
 
 
@@ -71,6 +75,7 @@ port = {port}
 control_port = {control_port}
 [limits]
 max_batched_tokens = {MAX_BATCHED}
+heartbeat_timeout_s = {STOPPED_SIDE_TIMEOUT_S}
 [[model]]
 id = "bench"
 path = "{model_path}"
@@ -108,11 +113,17 @@ class Side:
     def processes(self) -> dict[int, str]:
         return procs.roles(self.root)
 
+    def engine_processes(self) -> list[int]:
+        """The engine's processes (its server and everything under it)."""
+        servers = [pid for pid, role in self.processes().items() if role == "API server"]
+        return [pid for server in servers for pid in descendants(server)]
+
 
 @contextlib.contextmanager
 def native_server(model: ModelConfig, rank_cpus: list[list[int]], log: TextIO) -> Iterator[Side]:
-    """The engine's own OpenAI server, started as CrossPool starts its Instance (on its ranks' CPUs,
-    the same binding variables) but without CrossPool."""
+    """The engine's own OpenAI server with its own defaults on this host's CPUs; its ranks bound as
+    CrossPool binds its Instance's (the same binding variables: for vLLM what its "auto" binding
+    picks on one NUMA node; SGLang applies them only with its AMX kernels)."""
     engine = launcher(model.engine)
     port = bind_port(HOST)
     sup = Supervisor("crosspool-bench-native-")  # owns no segments; sweeps the engine's leftovers
@@ -122,7 +133,7 @@ def native_server(model: ModelConfig, rank_cpus: list[list[int]], log: TextIO) -
             engine.server_command(model, MAX_BATCHED, HOST, port),
             engine.engine_env(model, None, rank_cpus),
             stop_order=0,
-            cpus=sorted({cpu for rank in rank_cpus for cpu in rank}),
+            cpus=host_cpus(),
             sink=log,
         )
         yield Side("native", f"http://{HOST}:{port}", child.proc.pid)
@@ -153,6 +164,30 @@ def crosspool_daemon(text: str, run_dir: Path, log: TextIO) -> Iterator[Side]:
         except subprocess.TimeoutExpired:
             proc.kill()  # its members get SIGTERM by PR_SET_PDEATHSIG and clean up after themselves
             proc.wait()
+
+
+@contextlib.contextmanager
+def alone(sides: list[Side]) -> Iterator[Callable[[Side], None]]:
+    """`only(side)` lets that side's engine run and stops (SIGSTOP) the others' engines: an idle
+    engine is not idle (SGLang's scheduler polls at 100% of its CPU, vLLM's worker for 1 s after its
+    last step). Everything runs again when the block ends."""
+
+    def signal_engine(side: Side, sig: signal.Signals) -> None:
+        for pid in side.engine_processes():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+
+    def only(side: Side) -> None:
+        signal_engine(side, signal.SIGCONT)
+        for other in sides:
+            if other is not side:
+                signal_engine(other, signal.SIGSTOP)
+
+    try:
+        yield only
+    finally:
+        for side in sides:
+            signal_engine(side, signal.SIGCONT)
 
 
 def wait_ready(sides: list[Side], log_path: Path, deadline: float) -> None:
@@ -331,27 +366,25 @@ def main(argv: list[str] | None = None) -> int:
             start = time.monotonic()
             wait_ready([native, pooled], log_path, start + START_TIMEOUT_S)
             say(f"both serving after {time.monotonic() - start:.0f} s")
-            # The native engine's processes where CrossPool places its Instance's (the daemon's
-            # Generation._place_engine): ranks on their CPUs, the others on the control CPUs.
-            ranks = [pid for pid, role in native.processes().items() if role in RANK_ROLES]
-            assert len(ranks) == len(rank_cpus), native.processes()
-            place_tree(native.root, dict(zip(sorted(ranks), rank_cpus, strict=True)), resolved.cpus.control)
             assert pooled.metrics_url is not None
             sides = [native, pooled]
-            for side in sides:  # warm-up: first steps, and in compile mode shapes seen the first time
-                for batch in BATCHES:
-                    asyncio.run(_generate(side.url, "bench", prompts[:batch], args.output_len))
-            for repeat in range(args.repeats):
-                for batch in BATCHES:
-                    for side in sides:
-                        time.sleep(args.idle_s)
-                        others = [s for s in sides if s is not side]
-                        run = measure(side, others, prompts[:batch], args.output_len, layers, pooled.metrics_url)
-                        runs.append(run)
-                        say(
-                            f"repeat {repeat + 1}/{args.repeats} batch {batch:>2} {side.name:>9}: "
-                            f"{run['tok_s']:.1f} tok/s"
-                        )
+            with alone(sides) as only:
+                for side in sides:  # warm-up: first steps, and in compile mode shapes seen the first time
+                    only(side)
+                    for batch in BATCHES:
+                        asyncio.run(_generate(side.url, "bench", prompts[:batch], args.output_len))
+                for repeat in range(args.repeats):
+                    for batch in BATCHES:
+                        for side in sides:
+                            only(side)
+                            time.sleep(args.idle_s)
+                            others = [s for s in sides if s is not side]
+                            run = measure(side, others, prompts[:batch], args.output_len, layers, pooled.metrics_url)
+                            runs.append(run)
+                            say(
+                                f"repeat {repeat + 1}/{args.repeats} batch {batch:>2} {side.name:>9}: "
+                                f"{run['tok_s']:.1f} tok/s"
+                            )
             placement = {s.name: {role: procs.affinity(pid) for pid, role in s.processes().items()} for s in sides}
     say("round trips ...")
     with running_pool(resolved) as gen:
