@@ -1,8 +1,10 @@
 """A member's link to the daemon: register once, send heartbeats (with metrics), report failures.
 
-Used by every member process (agents, Instance ranks inside the engine, the front). A member
-that cannot register does not start; a heartbeat that does not get through is retried at the
-next interval (the daemon declares the member dead when they stay away).
+Every member registers and reports failures here. HTTP heartbeats are for the members off the
+layer-call path (the AtnAgents, the front); ranks and FfnAgents beat in shared memory instead
+(`RankTransport.heartbeat`, `Inbox.heartbeat`). A member that cannot register does not start; a
+heartbeat that does not get through is retried at the next interval (the daemon declares the
+member dead when they stay away).
 """
 
 from __future__ import annotations

@@ -6,11 +6,13 @@ One invocation starts the native engine's OpenAI server (the engine's own defaul
 CPUs) and a CrossPool deployment of the same model with the same engine arguments (`crosspool
 daemon`: FFN pool, engine, front, as planned), side by side, and sends both the same greedy
 requests (token-id prompts, `ignore_eos`), alternating native and CrossPool for every batch size
-and repeat. Only the measured side's engine runs: the other's processes are stopped (SIGSTOP)
-until its turn, since an idle engine still polls (SGLang's scheduler takes its whole CPU, vLLM's
-worker 1 s after its last step); the CrossPool deployment's heartbeat timeout is raised so that a
-stopped rank does not fail it. Each CrossPool run must have made its pool execute at least one
-call per layer and generated token; each native run must have made it execute none.
+and repeat (native first in even repeats, CrossPool first in odd ones); a ratio is the median over
+repeats of each repeat's adjacent pair. Only the measured side's engine runs: the other's
+processes are stopped (SIGSTOP) until its turn, since an idle engine still polls (SGLang's
+scheduler takes its whole CPU, vLLM's worker 1 s after its last step); the CrossPool deployment's
+heartbeat timeout is raised so that a stopped rank does not fail it. Each CrossPool run must have
+made its pool execute at least one call per layer and generated token; each native run must have
+made it execute none.
 
 Per run the report has the throughput, per process role of both sides the CPU time and run-queue
 wait over the timed window (`/proc/PID/task/TID/schedstat`) and the CPUs each role may use; per
@@ -43,7 +45,7 @@ import httpx
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from crosspool import host
+from crosspool import envs, host
 from crosspool.agents.ffn.weights import load_layers
 from crosspool.bench import procs
 from crosspool.config import ModelConfig, parse_deployment
@@ -51,7 +53,7 @@ from crosspool.cpus import descendants, host_cpus, running_on
 from crosspool.daemon.daemon import running_pool
 from crosspool.daemon.supervisor import Supervisor
 from crosspool.integrations import kernels, launcher
-from crosspool.ipc import SPIN_S, bind_port
+from crosspool.ipc import bind_port
 from crosspool.models.spec import DTYPES, load_ffn_spec
 from crosspool.plan import Plan
 from crosspool.resolve import resolve
@@ -69,8 +71,12 @@ class BenchError(RuntimeError):
     """The benchmark could not measure what it claims (a side failed, or the pool did not work)."""
 
 
-def deployment_text(model_path: Path, engine: str, dtype: str, eager: bool, port: int, control_port: int) -> str:
-    return f'''name = "bench"
+def deployment_text(
+    model_path: Path, engine: str, dtype: str, eager: bool, port: int, control_port: int, ffn_cpus: list[int] | None
+) -> str:
+    agent = f'[[ffn_agent]]\nid = "ffn0"\ncpus = {ffn_cpus}\n' if ffn_cpus else ""
+    return (
+        f'''name = "bench"
 port = {port}
 control_port = {control_port}
 [limits]
@@ -85,6 +91,8 @@ max_model_len = 512
 max_num_seqs = 16
 enforce_eager = {str(eager).lower()}
 '''
+        + agent
+    )
 
 
 def timed_us(fn: Callable[[], object], calls: int, warmup: int = 100) -> dict[str, float]:
@@ -142,7 +150,7 @@ def native_server(model: ModelConfig, rank_cpus: list[list[int]], log: TextIO) -
 
 
 @contextlib.contextmanager
-def crosspool_daemon(text: str, run_dir: Path, log: TextIO) -> Iterator[Side]:
+def crosspool_daemon(text: str, run_dir: Path, log: TextIO, env: dict[str, str]) -> Iterator[Side]:
     """`crosspool daemon FILE` as a user runs it, until its ready line."""
     d = parse_deployment(text)
     file = run_dir / "bench.toml"
@@ -153,6 +161,7 @@ def crosspool_daemon(text: str, run_dir: Path, log: TextIO) -> Iterator[Side]:
         stderr=log,
         text=True,
         start_new_session=True,
+        env=env,
     )
     try:
         yield Side("crosspool", f"http://{d.host}:{d.port}", proc.pid, f"http://{d.host}:{d.control}")
@@ -307,20 +316,26 @@ def round_trips(plan: Plan, calls: int) -> dict:
             torch.set_num_threads(threads)
 
 
-def _median_ratio(runs: list[dict], batch: int) -> dict:
+def _ratios(runs: list[dict], batch: int) -> dict:
+    """The CrossPool/native ratio at `batch`: the median over repeats of each repeat's pair of
+    adjacent runs (this host's speed drifts over tens of seconds, more than within a pair), and the
+    ratio of the sides' medians beside it."""
     rates = {
         side: [r["tok_s"] for r in runs if r["batch"] == batch and r["side"] == side]
         for side in ("native", "crosspool")
     }
+    pairs = [c / n for n, c in zip(rates["native"], rates["crosspool"], strict=True)]
     native, pooled = statistics.median(rates["native"]), statistics.median(rates["crosspool"])
     steps = [r["per_step_ms"] for r in runs if r["batch"] == batch and r["side"] == "crosspool"]
     breakdown = {k: round(statistics.median(s[k] for s in steps), 3) for k in steps[0]}
     return {
         "native_tok_s": rates["native"],
         "crosspool_tok_s": rates["crosspool"],
+        "pair_ratios": [round(r, 4) for r in pairs],
+        "ratio": round(statistics.median(pairs), 4),
         "native_median": native,
         "crosspool_median": pooled,
-        "ratio": round(pooled / native, 4),
+        "ratio_of_medians": round(pooled / native, 4),
         "crosspool_per_step_ms_median": breakdown,
     }
 
@@ -340,13 +355,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--idle-s", type=float, default=1.5, help="pause before each run, for the other side to go idle")
+    p.add_argument("--idle-s", type=float, default=1.5, help="pause after switching sides, before a run")
+    p.add_argument("--ffn-cpus", type=int, nargs="+", default=None, help="the FfnAgent's CPUs (default: planned)")
+    p.add_argument(
+        "--spin-us", type=int, default=0, help="CROSSPOOL_SPIN_US of the CrossPool deployment (default 0: no spin)"
+    )
     p.add_argument("--round-trips", type=int, default=2000)
     p.add_argument("--out", type=Path, required=True, help="the JSON report (engine logs next to it, .log)")
     args = p.parse_args(argv)
     model_path = (args.model or prepare_smollm2()).resolve()
     eager = args.eager or args.engine == "sglang"
-    text = deployment_text(model_path, args.engine, args.dtype, eager, bind_port(HOST), bind_port(HOST))
+    text = deployment_text(model_path, args.engine, args.dtype, eager, bind_port(HOST), bind_port(HOST), args.ffn_cpus)
     resolved = resolve(parse_deployment(text, "bench"), "bench")
     (model,) = resolved.deployment.model
     layers = len(resolved.specs[model.id].layers)
@@ -362,7 +381,10 @@ def main(argv: list[str] | None = None) -> int:
             f"log: {log_path}"
         )
         rank_cpus = resolved.cpus.ranks[model.id]
-        with native_server(model, rank_cpus, log) as native, crosspool_daemon(text, Path(tmp), log) as pooled:
+        with (
+            native_server(model, rank_cpus, log) as native,
+            crosspool_daemon(text, Path(tmp), log, {**os.environ, envs.SPIN_US: str(args.spin_us)}) as pooled,
+        ):
             start = time.monotonic()
             wait_ready([native, pooled], log_path, start + START_TIMEOUT_S)
             say(f"both serving after {time.monotonic() - start:.0f} s")
@@ -375,7 +397,8 @@ def main(argv: list[str] | None = None) -> int:
                         asyncio.run(_generate(side.url, "bench", prompts[:batch], args.output_len))
                 for repeat in range(args.repeats):
                     for batch in BATCHES:
-                        for side in sides:
+                        # A B, then B A: a drift of the host's speed weighs on both sides alike.
+                        for side in sides if repeat % 2 == 0 else sides[::-1]:
                             only(side)
                             time.sleep(args.idle_s)
                             others = [s for s in sides if s is not side]
@@ -389,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     say("round trips ...")
     with running_pool(resolved) as gen:
         rt = round_trips(gen.plan, args.round_trips)
-    by_batch = {str(b): _median_ratio(runs, b) for b in BATCHES}
+    by_batch = {str(b): _ratios(runs, b) for b in BATCHES}
     result = {
         "host": host.describe(),
         "argv": sys.argv[1:] if argv is None else argv,
@@ -401,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
         "output_len": args.output_len,
         "repeats": args.repeats,
         "idle_s": args.idle_s,
-        "spin_us": SPIN_S * 1e6,
+        "spin_us": args.spin_us,
         "summary": {
             "ratio_batch1": by_batch["1"]["ratio"],
             "ratio_batch16": by_batch["16"]["ratio"],
