@@ -7,6 +7,7 @@ import os
 import re
 import signal
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Set
 from pathlib import Path
@@ -64,8 +65,12 @@ def _thread_state(pid: int, tid: str) -> str:
 LEAK_PREFIXES = (SHM_PREFIX, "sglang_loads_", "sgl_shm_")
 
 
-def crosspool_shm() -> set[str]:
-    return {p.name for p in SHM_DIR.iterdir() if p.name.startswith(LEAK_PREFIXES)}
+def leftover_files() -> set[str]:
+    """CrossPool's and the engines' shm segments, and socket files in the temporary directory (the
+    engines' ZeroMQ ipc:// endpoints, which killed engine processes leave behind)."""
+    tmp = Path(tempfile.gettempdir())
+    sockets = {str(p) for p in tmp.iterdir() if p.is_socket()}
+    return {p.name for p in SHM_DIR.iterdir() if p.name.startswith(LEAK_PREFIXES)} | sockets
 
 
 def project_processes() -> list[str]:
@@ -88,18 +93,18 @@ def project_processes() -> list[str]:
     ]
 
 
-def assert_nothing_left(shm_before: Set[str], wait_s: float, procs_before: Set[str] = frozenset()) -> None:
-    """No shm segment beyond `shm_before` and no project process beyond `procs_before` (those of a
+def assert_nothing_left(files_before: Set[str], wait_s: float, procs_before: Set[str] = frozenset()) -> None:
+    """No shm segment or socket file beyond `files_before` and no project process beyond `procs_before` (those of a
     module's shared deployment), once `wait_s` has let them go."""
     deadline = time.monotonic() + wait_s
 
     def left() -> tuple[set[str], set[str]]:
-        return crosspool_shm() - shm_before, set(project_processes()) - procs_before
+        return leftover_files() - files_before, set(project_processes()) - procs_before
 
     while time.monotonic() < deadline and any(left()):
         time.sleep(0.2)
-    shm, procs = left()
-    assert shm == set(), f"shared memory left behind: {sorted(shm)}"
+    files, procs = left()
+    assert files == set(), f"shared memory or sockets left behind: {sorted(files)}"
     assert procs == set(), f"processes left behind: {sorted(procs)}"
 
 
@@ -107,9 +112,9 @@ def assert_nothing_left(shm_before: Set[str], wait_s: float, procs_before: Set[s
 def no_leftovers():
     """Fails the test if it leaves a CrossPool shm segment or a project process behind (beyond
     what was there before it: a module's shared deployment)."""
-    shm, procs = crosspool_shm(), set(project_processes())
+    files, procs = leftover_files(), set(project_processes())
     yield
-    assert_nothing_left(shm, 20, procs)
+    assert_nothing_left(files, 20, procs)
 
 
 @pytest.fixture(scope="session")

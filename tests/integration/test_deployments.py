@@ -29,8 +29,8 @@ import pytest
 from conftest import (
     LiveDeployment,
     assert_nothing_left,
-    crosspool_shm,
     example_text,
+    leftover_files,
     project_processes,
     skip_unless_sglang_path,
 )
@@ -49,11 +49,11 @@ WORK = prompts(49152, 4, seed=1)  # SmolLM2's vocabulary
 
 
 def _live(name: str, tmp_path_factory: pytest.TempPathFactory):
-    shm, procs = crosspool_shm(), set(project_processes())
+    files, procs = leftover_files(), set(project_processes())
     live = LiveDeployment(tmp_path_factory.mktemp(name), lambda port, control: example_text(name, port, control), name)
     yield live
     live.close()
-    assert_nothing_left(shm, 30, procs)
+    assert_nothing_left(files, 30, procs)
 
 
 @pytest.fixture(scope="module")

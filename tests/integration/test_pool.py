@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from conftest import assert_nothing_left, crosspool_shm, frozen
+from conftest import assert_nothing_left, frozen, leftover_files
 from crosspool import envs
 from crosspool.agents.ffn.weights import load_layers
 from crosspool.config import parse_deployment
@@ -37,7 +37,7 @@ def shared(tiny_models):
     """One pool for the tests that leave it working: three FfnAgents; q pinned to ffn0, p (the
     probe's) to ffn2, spread's layers placed over the agents, q2 / q3 at FFN TP 2 / 3 (256
     intermediate rows: 86/85/85 for three), f2 at FFN TP 2 in float32, tp at attention TP 2."""
-    shm_before = crosspool_shm()
+    files_before = leftover_files()
     path = tiny_models["qwen3"]
     d = parse_deployment(
         "[limits]\nmax_batched_tokens = 256\nffn_timeout_s = 2\n"
@@ -52,7 +52,7 @@ def shared(tiny_models):
     )
     with running_pool(resolve(d)) as gen:
         yield gen
-    assert_nothing_left(shm_before, 20)
+    assert_nothing_left(files_before, 20)
 
 
 @pytest.fixture

@@ -141,7 +141,7 @@ def test_sglang_command_and_refusals(tiny_models):
     assert int(flags["--max-total-tokens"]) == 2**30 // per_token  # kv_cache_gib = 1, bf16
     env = sglang.engine_env(d.model[0], None, [[0], [1]])
     assert env["SGLANG_USE_CPU_ENGINE"] == "1" and env["SGLANG_PLUGINS"] == "crosspool"
-    assert env["SGLANG_CPU_OMP_THREADS_BIND"] == "0|1" and "CROSSPOOL_PLAN" not in env
+    assert env["SGLANG_CPU_OMP_THREADS_BIND"] == "0|1" and env["OMP_NUM_THREADS"] == "1" and "CROSSPOOL_PLAN" not in env
     assert engine_arg_problems({"enable_torch_compile": True, "tp_size": 2, "enable_mixed_chunk": False}) == [
         "engine_args.enable_torch_compile: not supported with CrossPool: SGLang's CPU torch.compile decode graph "
         "is not qualified: CrossPool serves eager (got True)",

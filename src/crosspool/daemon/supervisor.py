@@ -2,21 +2,26 @@
 
 Each member runs in its own process group, so stopping it also stops what it spawned (vLLM's
 EngineCore and workers). Output is forwarded line by line with the member's name; agents'
-`error:` lines are kept as failure reasons. After the stop, the deployment's shared memory is
-unlinked and engine leftovers created during the run (multiprocessing semaphores of killed
-vLLM processes) are removed, so nothing stays behind.
+`error:` lines are kept as failure reasons. Members get a temporary directory of their own as
+TMPDIR (the engines put their ZeroMQ ipc:// socket files there and leave them when killed).
+After the stop, the deployment's shared memory is unlinked, that directory removed and engine
+leftovers created during the run (multiprocessing semaphores of killed vLLM processes) are
+removed from /dev/shm, so nothing stays behind.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TextIO
 
 from crosspool import envs
@@ -51,6 +56,7 @@ class Supervisor:
         self.stopped = False
         self._started = time.time()
         self._shm_before = shm_names()
+        self.tmp_dir = Path(tempfile.mkdtemp(prefix=f"{shm_prefix}members-"))
 
     def _forward(self, member: Child, stream: object, sink: TextIO) -> None:
         for raw in iter(stream.readline, b""):  # type: ignore[attr-defined]
@@ -74,7 +80,7 @@ class Supervisor:
         with running_on(cpus):
             proc = subprocess.Popen(
                 argv,
-                env={**env, envs.SUPERVISOR_PID: str(os.getpid())},
+                env={**env, envs.SUPERVISOR_PID: str(os.getpid()), "TMPDIR": str(self.tmp_dir)},
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
@@ -113,9 +119,10 @@ class Supervisor:
                 # The group may hold children that outlived the leader.
                 _signal_group(m.proc, signal.SIGKILL)
                 m.proc.wait()
-        self._cleanup_shm()
+        self._cleanup()
 
-    def _cleanup_shm(self) -> None:
+    def _cleanup(self) -> None:
+        shutil.rmtree(self.tmp_dir, ignore_errors=True)
         removed = unlink_segments(self.shm_prefix)
         stale = unlink_orphans(ENGINE_LEFTOVERS, self._started - 1, self._shm_before)
         if removed:

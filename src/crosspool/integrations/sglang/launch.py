@@ -87,19 +87,23 @@ def kv_cache_tokens(model: ModelConfig) -> int:
 
 def engine_env(model: ModelConfig, plan_path: Path | None, rank_cpus: list[list[int]]) -> dict[str, str]:
     """Environment of an engine process; `plan_path` None means native SGLang (no CrossPool). Its
-    schedulers bind to `rank_cpus` (SGLANG_CPU_OMP_THREADS_BIND, one group per rank)."""
+    schedulers bind to `rank_cpus` (SGLANG_CPU_OMP_THREADS_BIND, one group per rank). SGLang
+    applies that variable only with its AMX kernels (`distributed/bootstrap.py`), which CrossPool's
+    SGLang path does not use; torch would then run as many threads as the process may use CPUs
+    (a native scheduler on 2 cores: 2), so the rank's thread count is set (OMP_NUM_THREADS)."""
     env = envs.sharing_cores(os.environ)
     assert len(rank_cpus) == model.attention_tp * model.attention_dp, rank_cpus
+    assert len({len(cpus) for cpus in rank_cpus}) == 1, rank_cpus
     env.update(
         SGLANG_USE_CPU_ENGINE="1",
         SGLANG_PLUGINS="crosspool",
         PYTHONUNBUFFERED="1",
         SGLANG_CPU_OMP_THREADS_BIND=threads_bind(rank_cpus),
+        OMP_NUM_THREADS=str(len(rank_cpus[0])),
     )
     env.pop(envs.PLAN, None)
     if plan_path is not None:
-        # SGLang leaves its ipc:// socket files in TMPDIR: the generation's run dir is removed after.
-        env.update({envs.PLAN: str(plan_path), envs.MODEL: model.id, "TMPDIR": str(plan_path.parent)})
+        env.update({envs.PLAN: str(plan_path), envs.MODEL: model.id})
     return env
 
 
