@@ -21,6 +21,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -225,23 +226,66 @@ def shm_names() -> set[str]:
     return {p.name for p in SHM_DIR.iterdir()}
 
 
-def engine_leftovers(prefixes: tuple[str, ...], since: float, existing: set[str]) -> list[Path]:
-    """/dev/shm files with one of `prefixes`, not in `existing`, modified at or after `since`."""
-    candidates = [p for p in SHM_DIR.iterdir() if p.name.startswith(prefixes) and p.name not in existing]
-    return [p for p in candidates if _mtime(p) >= since]
+@dataclass(frozen=True)
+class EngineFiles:
+    """/dev/shm as it was before engines ran: the engine files (`ENGINE_LEFTOVERS`) that appeared
+    since are theirs, and whoever ran the engines removes them once no process maps them. Engines
+    killed by signal skip their unlink paths (SGLang stops its own children with SIGKILL)."""
+
+    since: float
+    existing: frozenset[str]
+
+    @classmethod
+    def now(cls) -> EngineFiles:
+        return cls(time.time(), frozenset(shm_names()))
+
+    def leftovers(self) -> list[Path]:
+        """Engine files not in `existing`, modified at or after `since` (one second of slack: a
+        file system's timestamps are coarser than `time.time()`)."""
+        new = [p for p in SHM_DIR.iterdir() if p.name.startswith(ENGINE_LEFTOVERS) and p.name not in self.existing]
+        return [p for p in new if _mtime(p) >= self.since - 1]
+
+    def sweep(self) -> list[str]:
+        """Remove the leftovers no process has open or mapped any more; returns their names."""
+        candidates = self.leftovers()
+        in_use = _shm_inodes_in_use() if candidates else set()
+        removed = []
+        for path in candidates:
+            if _inode(path) not in in_use:
+                path.unlink(missing_ok=True)
+                removed.append(path.name)
+        return removed
 
 
-def unlink_orphans(prefixes: tuple[str, ...], since: float, existing: set[str]) -> list[str]:
-    """Remove engines' leftovers (`engine_leftovers`) that no process has open or mapped any more.
-    Engines killed by signal (SGLang stops its own children with SIGKILL) skip their unlink paths."""
-    candidates = engine_leftovers(prefixes, since, existing)
-    in_use = _shm_inodes_in_use() if candidates else set()
-    removed = []
-    for path in candidates:
-        if _inode(path) not in in_use:
-            path.unlink(missing_ok=True)
-            removed.append(path.name)
-    return removed
+def group_running(pgid: int) -> bool:
+    """Whether a process of process group `pgid` still runs. Zombies do not count: a process has
+    released its mappings before it becomes one (and one whose parent died may stay a zombie
+    where nothing reaps it)."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # it ended while being read
+            continue
+        if int(fields[2]) == pgid and fields[0] not in "ZX":
+            return True
+    return False
+
+
+GROUP_GONE_S = 10.0
+"""How long a stop waits for the processes of SIGKILLed process groups to be gone."""
+
+
+def wait_groups_gone(pgids: list[int], timeout_s: float) -> bool:
+    """Wait until no process of the groups `pgids` runs (a group's leader being reaped says
+    nothing of the others: SIGKILLed engine processes still map their files for a moment)."""
+    deadline = time.monotonic() + timeout_s
+    while any(group_running(g) for g in pgids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def _inode(path: Path) -> int | None:

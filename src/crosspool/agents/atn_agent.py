@@ -11,23 +11,16 @@ from __future__ import annotations
 import time
 
 from crosspool.agents.process import AgentProcess
-from crosspool.ipc import (
-    ENGINE_LEFTOVERS,
-    engine_leftovers,
-    shm_names,
-    supervisor_gone,
-    unlink_orphans,
-    unlink_segments,
-)
+from crosspool.ipc import EngineFiles, supervisor_gone, unlink_segments
 from crosspool.transport.mailbox import Mailbox
 
-ENGINES_GONE_S = 15.0  # how long a daemon-less AtnAgent waits for the engines' files to be let go
+ENGINES_GONE_S = 30.0  # how long a daemon-less AtnAgent waits for the engines to let go of their files (SGLang's server took ~9 s)
 
 
 class AtnAgent:
     def __init__(self, proc: AgentProcess) -> None:
         self.proc = proc
-        self.started, self.shm_before = time.time(), shm_names()
+        self.engine_files = EngineFiles.now()
         owned = [mb for mb in proc.plan.mailboxes if mb.atn_agent == proc.id]
         self.mailboxes = [Mailbox.create(mb.name, mb.max_rows, mb.hidden, mb.dtype, mb.shards, mb.tp) for mb in owned]
 
@@ -48,8 +41,8 @@ class AtnAgent:
         unlink_segments(self.proc.plan.shm_prefix)
         deadline = time.monotonic() + ENGINES_GONE_S
         while True:
-            unlink_orphans(ENGINE_LEFTOVERS, self.started, self.shm_before)
-            if not engine_leftovers(ENGINE_LEFTOVERS, self.started, self.shm_before) or time.monotonic() > deadline:
+            self.engine_files.sweep()
+            if not self.engine_files.leftovers() or time.monotonic() > deadline:
                 return
             time.sleep(0.2)
 

@@ -53,7 +53,7 @@ from crosspool.cpus import descendants, host_cpus, running_on
 from crosspool.daemon.daemon import running_pool
 from crosspool.daemon.supervisor import Supervisor
 from crosspool.integrations import kernels, launcher
-from crosspool.ipc import bind_port
+from crosspool.ipc import EngineFiles, bind_port
 from crosspool.models.spec import DTYPES, load_ffn_spec
 from crosspool.plan import Plan
 from crosspool.resolve import resolve
@@ -134,7 +134,7 @@ def native_server(model: ModelConfig, rank_cpus: list[list[int]], log: TextIO) -
     picks on one NUMA node; SGLang applies them only with its AMX kernels)."""
     engine = launcher(model.engine)
     port = bind_port(HOST)
-    sup = Supervisor("crosspool-bench-native-")  # owns no segments; sweeps the engine's leftovers
+    sup = Supervisor("crosspool-bench-native-", EngineFiles.now())  # owns no segments; sweeps the engine's leftovers
     try:
         child = sup.start(
             "native",

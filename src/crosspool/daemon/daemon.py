@@ -22,7 +22,7 @@ from crosspool.cpus import pin_process
 from crosspool.daemon.control import ControlState, create_control_app
 from crosspool.daemon.generation import Generation, StartupError
 from crosspool.daemon.supervisor import log
-from crosspool.ipc import Stop, bind_port
+from crosspool.ipc import EngineFiles, Stop, bind_port
 from crosspool.resolve import Resolved
 
 
@@ -47,6 +47,7 @@ class Daemon:
         self.state = ControlState(resolved.plan(1), f"http://{d.host}:{d.port}/v1", d.limits.heartbeat_timeout_s)
         self.server: uvicorn.Server | None = None
         self.generation: Generation | None = None
+        self.engine_files = EngineFiles.now()
 
     def start_control(self, *, front: bool = True) -> None:
         d = self.deployment
@@ -71,7 +72,7 @@ class Daemon:
         plan = self.state.plan if number == 1 else self.resolved.plan(number)
         if number > 1:
             self.state.new_generation(plan)
-        self.generation = Generation(self.deployment, plan, self.state, self.stop)
+        self.generation = Generation(self.deployment, plan, self.state, self.stop, self.engine_files)
         return self.generation
 
     def run(self) -> int:

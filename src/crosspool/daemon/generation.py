@@ -29,7 +29,7 @@ from crosspool.daemon.control import ControlState
 from crosspool.daemon.supervisor import Child, Supervisor, log
 from crosspool.fabric.inbox import Inbox
 from crosspool.integrations import launcher
-from crosspool.ipc import SegmentMissing, Stop
+from crosspool.ipc import EngineFiles, SegmentMissing, Stop
 from crosspool.metrics import CallCounts, ExecCounts, PoolCounters
 from crosspool.plan import Plan
 from crosspool.transport.mailbox import W_LAYER, W_REQ_SEQ, Mailbox
@@ -43,9 +43,11 @@ class StartupError(RuntimeError):
 
 
 class Generation:
-    def __init__(self, deployment: Deployment, plan: Plan, state: ControlState, stop: Stop) -> None:
+    def __init__(
+        self, deployment: Deployment, plan: Plan, state: ControlState, stop: Stop, engine_files: EngineFiles
+    ) -> None:
         self.deployment, self.plan, self.state, self.stop = deployment, plan, state, stop
-        self.sup = Supervisor(plan.shm_prefix)
+        self.sup = Supervisor(plan.shm_prefix, engine_files)
         self.run_dir = Path(tempfile.mkdtemp(prefix=f"crosspool-{plan.token}-"))
         self.plan_path = self.run_dir / "plan.json"
         self.plan_path.write_text(plan.model_dump_json(indent=1))

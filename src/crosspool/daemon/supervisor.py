@@ -26,7 +26,7 @@ from typing import TextIO
 
 from crosspool import envs
 from crosspool.cpus import running_on
-from crosspool.ipc import ENGINE_LEFTOVERS, shm_names, unlink_orphans, unlink_segments
+from crosspool.ipc import GROUP_GONE_S, EngineFiles, unlink_segments, wait_groups_gone
 
 
 def log(message: str) -> None:
@@ -50,12 +50,13 @@ class Child:
 
 
 class Supervisor:
-    def __init__(self, shm_prefix: str) -> None:
-        self.shm_prefix = shm_prefix
+    def __init__(self, shm_prefix: str, engine_files: EngineFiles) -> None:
+        """`engine_files`: /dev/shm before the deployment's first engine started. Every stop sweeps
+        what engines left since then, so a file an earlier generation's stop could not remove yet
+        (a killed process still mapped it) goes with a later one."""
+        self.shm_prefix, self.engine_files = shm_prefix, engine_files
         self.members: list[Child] = []
         self.stopped = False
-        self._started = time.time()
-        self._shm_before = shm_names()
         self.tmp_dir = Path(tempfile.mkdtemp(prefix=f"{shm_prefix}members-"))
 
     def _forward(self, member: Child, stream: object, sink: TextIO) -> None:
@@ -124,7 +125,9 @@ class Supervisor:
     def _cleanup(self) -> None:
         shutil.rmtree(self.tmp_dir, ignore_errors=True)
         removed = unlink_segments(self.shm_prefix)
-        stale = unlink_orphans(ENGINE_LEFTOVERS, self._started - 1, self._shm_before)
+        if not wait_groups_gone([m.proc.pid for m in self.members], GROUP_GONE_S):
+            log(f"processes of stopped members still ran {GROUP_GONE_S:g} s after SIGKILL")
+        stale = self.engine_files.sweep()
         if removed:
             log(f"unlinked {len(removed)} CrossPool shared-memory segment(s) left by stopped members")
         if stale:

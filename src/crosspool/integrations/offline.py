@@ -18,7 +18,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -27,7 +26,7 @@ from typing import TypeVar
 from crosspool.config import ModelConfig
 from crosspool.cpus import host_cpus, rank_cpus
 from crosspool.integrations import launcher
-from crosspool.ipc import ENGINE_LEFTOVERS, shm_names, unlink_orphans
+from crosspool.ipc import GROUP_GONE_S, EngineFiles, wait_groups_gone
 
 T = TypeVar("T")
 
@@ -73,7 +72,7 @@ def generate_in_child(
         env = launcher(model.engine).engine_env(model, plan_path, ranks)
         env.update(importlib.import_module(module).offline_env(in_process_engine), TMPDIR=tmp)
         # The engine logs to stdout; callers' stdout may be a JSON report (crosspool qualify).
-        since, existing = time.time(), shm_names()
+        engine_files = EngineFiles.now()
         proc = subprocess.Popen(
             [sys.executable, "-m", module, str(job_file)], env=env, start_new_session=True, stdout=2
         )
@@ -83,7 +82,8 @@ def generate_in_child(
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-            unlink_orphans(ENGINE_LEFTOVERS, since, existing)
+            wait_groups_gone([proc.pid], GROUP_GONE_S)
+            engine_files.sweep()
         if code != 0:
             raise RuntimeError(f"offline {model.engine} run exited with code {code}")
         return json.loads(out.read_text())
