@@ -129,13 +129,12 @@ EXAMPLES = Path(__file__).parents[1] / "examples"
 
 
 def example_text(name: str, port: int, control_port: int) -> str:
-    """examples/NAME.toml as shipped, on the given ports, with its checkpoints under this host's
-    cache root (CROSSPOOL_CACHE)."""
+    """examples/NAME.toml as shipped, on the given ports."""
     text = (EXAMPLES / f"{name}.toml").read_text()
     text = re.sub(r"(?m)^control_port = \d+.*\n", "", text)
     text = re.sub(r"(?m)^port = \d+.*$", f"port = {port}\ncontrol_port = {control_port}", text)
     assert f"port = {port}" in text, name
-    return text.replace('"~/.cache/crosspool/', f'"{envs.cache_root()}/')
+    return text
 
 
 class RunningDaemon:

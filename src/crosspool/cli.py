@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from crosspool import envs
 from crosspool.config import ConfigError
 
 
@@ -109,7 +110,7 @@ def _layer_ranges(layer_agents: list[list[str]]) -> dict[str, str]:
 def cmd_models_prepare(args: argparse.Namespace) -> int:
     from crosspool.models.prepare import prepare_smollm2
 
-    print(prepare_smollm2(args.cache) if args.cache else prepare_smollm2())
+    print(prepare_smollm2(args.cache))
     return 0
 
 
@@ -169,7 +170,8 @@ def parser() -> argparse.ArgumentParser:
     m = sub.add_parser("models", help="local checkpoints").add_subparsers(dest="models_command", required=True)
     s = m.add_parser("prepare", help="build a local checkpoint of a known model")
     s.add_argument("name", choices=["smollm2-135m"])
-    s.add_argument("--cache", type=Path, default=None, help="cache dir (default ~/.cache/crosspool/models)")
+    where = f"where to write it (default: ${envs.CACHE}/models; ${envs.CACHE} defaults to ~/.cache/crosspool)"
+    s.add_argument("--cache", type=Path, default=None, help=where)
     s.set_defaults(func=cmd_models_prepare)
     s = m.add_parser("tiny", help="write a tiny random checkpoint (fixed seed) for tests")
     s.add_argument("family", choices=["llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v2"])

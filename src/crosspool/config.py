@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import string
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from crosspool import envs
 
 Name = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9._-]{0,47}$")]
 Cpu = Annotated[int, Field(ge=0, le=4095)]
@@ -99,10 +103,19 @@ class ModelConfig(_Strict):
             raise ValueError(f"rank_cpus: one CPU list per engine rank ({ranks}) (got {len(self.rank_cpus)})")
         return self
 
+    @field_validator("path", mode="before")
+    @classmethod
+    def _expand(cls, path: object) -> object:
+        """`$NAME` / `${NAME}` from the environment, `${CROSSPOOL_CACHE}` defaulting to the cache
+        root (~/.cache/crosspool), and `~`."""
+        if not isinstance(path, str):
+            return path
+        known = {**os.environ, envs.CACHE: str(envs.cache_root())}
+        return Path(string.Template(path).safe_substitute(known)).expanduser()
+
     @field_validator("path")
     @classmethod
     def _path_is_checkpoint(cls, path: Path) -> Path:
-        path = path.expanduser()
         if not path.is_dir():
             raise ValueError(f"model path does not exist: '{path}'")
         if not (path / "config.json").is_file():

@@ -179,3 +179,21 @@ def test_every_example_deployment_resolves(smollm2, tiny_served):
         d = resolve(parse_deployment(example_text(name, 18000, 18001), name)).deployment
         smollm2_models = [m for m in d.model if m.path == smollm2.resolve()]
         assert smollm2_models and all(m.dtype == "float32" for m in smollm2_models)  # the right answer on every CPU
+
+
+def test_model_path_expands_the_cache_root_and_the_environment(tiny_models, monkeypatch):
+    """`${CROSSPOOL_CACHE}` in a path is the cache root (CROSSPOOL_CACHE, default ~/.cache/crosspool),
+    other variables come from the environment: the shipped examples serve from where `crosspool
+    models prepare` wrote."""
+    from crosspool import envs
+
+    checkpoint = tiny_models["qwen3"]
+    monkeypatch.delenv(envs.CACHE, raising=False)
+    monkeypatch.setenv("HOME", str(checkpoint.parents[2]))  # the default root is ~/.cache/crosspool
+    default_root = Path(checkpoint.parents[2] / ".cache" / "crosspool")
+    with pytest.raises(ConfigError, match=f"model path does not exist: '{default_root}/tiny/tiny-qwen3'"):
+        parse_deployment(_toml("${CROSSPOOL_CACHE}/tiny/tiny-qwen3"))
+    monkeypatch.setenv(envs.CACHE, str(checkpoint.parents[1]))
+    assert parse_deployment(_toml("${CROSSPOOL_CACHE}/tiny/tiny-qwen3")).model[0].path == checkpoint.resolve()
+    monkeypatch.setenv("CHECKPOINT", str(checkpoint))
+    assert parse_deployment(_toml("$CHECKPOINT")).model[0].path == checkpoint.resolve()

@@ -14,7 +14,8 @@ from crosspool.agents.process import AgentProcess
 from crosspool.ipc import EngineFiles, supervisor_gone, unlink_segments
 from crosspool.transport.mailbox import Mailbox
 
-ENGINES_GONE_S = 30.0  # how long a daemon-less AtnAgent waits for the engines to let go of their files (SGLang's server took ~9 s)
+# How long a daemon-less AtnAgent waits for the engines to let go of their files (SGLang's server took ~9 s).
+ENGINES_GONE_S = 30.0
 
 
 class AtnAgent:

