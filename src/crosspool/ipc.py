@@ -89,21 +89,41 @@ def supervisor_pid() -> int | None:
     return int(pid) if pid else None
 
 
+SUPERVISOR_DIED = signal.SIGHUP
+"""The parent-death signal of members that need to know their daemon died (`die_with_supervisor`)."""
+_orphaned = False
+
+
 def supervisor_gone() -> bool:
-    """The daemon that started this process is gone (this process was re-parented)."""
+    """The daemon that started this process is gone: its death signal came (`die_with_supervisor`
+    with `noted`), or this process was re-parented. The parent pid alone says it late: the kernel
+    first hands a dying daemon's children to another of its threads still running (seen: an
+    AtnAgent read its dead daemon's pid and skipped the cleanup only it could do)."""
     supervisor = supervisor_pid()
-    return supervisor is not None and os.getppid() != supervisor
+    return _orphaned or (supervisor is not None and os.getppid() != supervisor)
 
 
-def die_with_supervisor() -> None:
+def _note_supervisor_died(*_: object) -> None:
+    global _orphaned
+    _orphaned = True
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def die_with_supervisor(*, noted: bool = False) -> None:
     """Get SIGTERM when the supervising `crosspool serve` dies, even by SIGKILL (members are
-    in their own sessions, so nothing else would stop them). Only for its direct children."""
+    in their own sessions, so nothing else would stop them). Only for its direct children.
+    `noted` (from the main thread): the death signal is SUPERVISOR_DIED, whose handler records it
+    for `supervisor_gone` and then sends this process SIGTERM."""
     supervisor = supervisor_pid()
     if supervisor is None or os.getppid() != supervisor:
         return
-    _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    sig = signal.SIGTERM
+    if noted:
+        signal.signal(SUPERVISOR_DIED, _note_supervisor_died)
+        sig = SUPERVISOR_DIED
+    _libc.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
     if os.getppid() != supervisor:  # it died before prctl took effect
-        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), sig)
 
 
 class Stop:

@@ -36,7 +36,7 @@ from conftest import (
 )
 from crosspool.config import parse_deployment
 from crosspool.integrations.offline import generate_in_child, side_by_side
-from crosspool.qualify.serving import prompts
+from crosspool.qualify.serving import executed_per_model, prompts
 
 pytestmark = pytest.mark.engine
 
@@ -197,6 +197,9 @@ def test_mixed_engines_serve_concurrently_like_native(mixed, native):
     for t in threads:
         t.join(timeout=300)
     assert got == native
+    # the pool, not the engines, computed every layer (SmolLM2: 30) of every step of both models
+    executed = executed_per_model(httpx.get(d.control + "/metrics").text)
+    assert all(executed[model] >= 30 * TOKENS * len(WORK) for model in MIXED), executed
     for model in MIXED:
         assert "Paris" in _answer(_chat(d.url, model))
     status = d.status()

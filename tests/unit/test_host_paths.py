@@ -1,6 +1,6 @@
 """Host-dependent engine paths, with the engines' CPU-feature detection forced to the other kind
-of host: what the FFN pool computes with (vLLM's own MoE kernel choice) or refuses (SGLang's
-AMX path), without running AMX instructions on a CPU that has none."""
+of host: what the FFN pool computes with (vLLM's own GEMM and MoE kernel choices) or refuses
+(SGLang's AMX path), without running AMX instructions on a CPU that has none."""
 
 from __future__ import annotations
 
@@ -25,6 +25,21 @@ def test_pool_moe_kernel_is_the_one_vllm_selects(monkeypatch, amx):
     _amx(monkeypatch, amx)
     assert moe_experts(8, 128, 64, 2, torch.bfloat16).isa == ("amx" if amx else "vec")
     assert moe_experts(8, 128, 64, 2, torch.float32).isa == "vec"
+
+
+@pytest.mark.parametrize("amx", [False, True])
+def test_pool_linear_kernel_is_the_one_vllm_dispatches(monkeypatch, amx):
+    """vLLM packs small bf16 weights for its AMX kernel (`weight_packed_linear`) on AMX CPUs and
+    keeps larger ones on oneDNN; the pool's linear follows the same dispatch. The packing op is
+    stubbed: it is not run on a CPU without AMX."""
+    from crosspool.integrations.vllm.kernels import linear
+
+    _amx(monkeypatch, amx)
+    monkeypatch.setattr(torch.ops._C, "convert_weight_packed", lambda w: w, raising=False)
+    small, large = torch.zeros(64, 128, dtype=torch.bfloat16), torch.zeros(1536, 576, dtype=torch.bfloat16)
+    assert (linear(small).__name__ == "run_packed") == amx
+    assert linear(large).__name__ != "run_packed"
+    assert linear(small.float()).__name__ != "run_packed"
 
 
 def _sglang_deployment(path: object) -> str:

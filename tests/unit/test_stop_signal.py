@@ -37,3 +37,36 @@ def test_signal_burst_ends_the_wait():
     finally:
         for child in children:
             child.kill()
+
+
+MEMBER = """
+import signal, sys, time
+from crosspool.ipc import Stop, die_with_supervisor, supervisor_gone
+stop = Stop()
+signal.signal(signal.SIGTERM, stop.request)
+die_with_supervisor(noted=True)
+print("ready", flush=True)
+stop.wait(20)
+print(supervisor_gone(), flush=True)
+"""
+
+SUPERVISOR = """
+import os, subprocess, sys, threading
+from crosspool import envs
+child = []
+def start():  # the parent-death signal follows the thread that forked the member
+    child.append(subprocess.Popen([sys.executable, "-c", sys.argv[1]], text=True, stdout=subprocess.PIPE,
+                                  env={**os.environ, envs.SUPERVISOR_PID: str(os.getpid())}))
+    assert child[0].stdout.readline() == "ready\\n"
+thread = threading.Thread(target=start)
+thread.start()
+thread.join()
+print(child[0].stdout.readline().strip(), child[0].wait(20), flush=True)
+"""
+
+
+def test_a_member_knows_its_supervisor_died_before_it_is_reparented():
+    """The death signal comes while the member's parent pid still names the dying supervisor (here:
+    its forking thread ended, the process lives on; a SIGKILLed daemon's threads end one by one)."""
+    r = subprocess.run([sys.executable, "-c", SUPERVISOR, MEMBER], capture_output=True, text=True, timeout=60)
+    assert r.stdout.split() == ["True", "0"], r.stdout + r.stderr

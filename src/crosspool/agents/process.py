@@ -28,7 +28,7 @@ class AgentProcess:
         self.heartbeat: Callable[[], None] | None = None
         signal.signal(signal.SIGTERM, self.stop.request)
         signal.signal(signal.SIGINT, self.stop.request)
-        die_with_supervisor()
+        die_with_supervisor(noted=True)
 
     def log(self, message: str) -> None:
         print(f"[{self.role} {self.id}] {message}", file=sys.stderr, flush=True)

@@ -29,7 +29,6 @@ import asyncio
 import contextlib
 import json
 import os
-import random
 import signal
 import statistics
 import subprocess
@@ -56,6 +55,7 @@ from crosspool.integrations import kernels, launcher
 from crosspool.ipc import EngineFiles, bind_port
 from crosspool.models.spec import DTYPES, load_ffn_spec
 from crosspool.plan import Plan
+from crosspool.qualify.serving import prompts
 from crosspool.resolve import resolve
 from crosspool.transport.mailbox import RankTransport
 
@@ -370,8 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     (model,) = resolved.deployment.model
     layers = len(resolved.specs[model.id].layers)
     vocab = json.loads((model_path / "config.json").read_text())["vocab_size"]
-    rng = random.Random(0)
-    prompts = [[rng.randrange(1, vocab) for _ in range(args.prompt_len)] for _ in range(max(BATCHES))]
+    work = prompts(vocab, max(BATCHES), length=args.prompt_len)
     log_path = args.out.with_suffix(".log")
     say = lambda message: print(f"crosspool bench: {message}", file=sys.stderr, flush=True)  # noqa: E731
     runs: list[dict] = []
@@ -394,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
                 for side in sides:  # warm-up: first steps, and in compile mode shapes seen the first time
                     only(side)
                     for batch in BATCHES:
-                        asyncio.run(_generate(side.url, "bench", prompts[:batch], args.output_len))
+                        asyncio.run(_generate(side.url, "bench", work[:batch], args.output_len))
                 for repeat in range(args.repeats):
                     for batch in BATCHES:
                         # A B, then B A: a drift of the host's speed weighs on both sides alike.
@@ -402,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
                             only(side)
                             time.sleep(args.idle_s)
                             others = [s for s in sides if s is not side]
-                            run = measure(side, others, prompts[:batch], args.output_len, layers, pooled.metrics_url)
+                            run = measure(side, others, work[:batch], args.output_len, layers, pooled.metrics_url)
                             runs.append(run)
                             say(
                                 f"repeat {repeat + 1}/{args.repeats} batch {batch:>2} {side.name:>9}: "

@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--plan", type=Path, required=True)
     parser.add_argument("--grace-s", type=float, default=10.0)
     args = parser.parse_args(argv)
-    die_with_supervisor()
+    die_with_supervisor(noted=True)
     plan = Plan.model_validate_json(args.plan.read_text())
     front = Front(plan)
     config = uvicorn.Config(

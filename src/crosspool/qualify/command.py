@@ -72,6 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     for engine in engines:
         for problem in launcher(engine).host_problems():
             print(f"crosspool qualify: {engine} left out on this host: {problem}", file=sys.stderr)
+    for name, spec in specs.items():
+        if not ffn.engines_of(spec, engines):
+            p.error(f"{name}: {spec.architecture} is served by none of {', '.join(engines)} on this host")
     lanes = tuple(sorted(set(args.lanes))) if args.lanes else (1, 2)
     modes = tuple(dict.fromkeys(args.mode)) if args.mode else ("eager", "compile")
     planned = ffn.planned_cases(specs, engines) + (serving.planned_cases(lanes, modes) if args.serving else [])

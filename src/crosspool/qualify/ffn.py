@@ -97,7 +97,7 @@ def errors(out: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
     }
 
 
-def _engines_of(spec: ModelFfnSpec, engines: tuple[str, ...]) -> list[str]:
+def engines_of(spec: ModelFfnSpec, engines: tuple[str, ...]) -> list[str]:
     """The engines whose kernels the pool computes this model with: those serving its family on
     this host (`crosspool qualify` says which engines the host leaves out, and why)."""
     return [e for e in engines if serves(e, spec.architecture) and not launcher(e).host_problems()]
@@ -109,7 +109,7 @@ def _deployment(models: dict[str, Path], specs: dict[str, ModelFfnSpec], engines
     text = "[limits]\nmax_batched_tokens = 4096\n"
     text += "".join(f'[[ffn_agent]]\nid = "ffn{i}"\nmemory_gib = 8\n' for i in range(max(TP_DEGREES)))
     for name, path in models.items():
-        for engine in _engines_of(specs[name], engines):
+        for engine in engines_of(specs[name], engines):
             for k in TP_DEGREES:
                 text += f'[[model]]\nid = "{engine}-{name}-tp{k}"\npath = "{path}"\nengine = "{engine}"\nffn_tp = {k}\n'
     return text
@@ -130,7 +130,7 @@ def planned_cases(specs: dict[str, ModelFfnSpec], engines: tuple[str, ...]) -> l
     """Every case `qualify` runs for these models, in the order it runs them."""
     cases = []
     for name, spec in specs.items():
-        for engine in _engines_of(spec, engines):
+        for engine in engines_of(spec, engines):
             for k in TP_DEGREES:
                 cases += [
                     f"ffn-numerics/{engine}/{name}/tp{k}/layer{layer}/rows{rows}"
@@ -200,7 +200,7 @@ def qualify(specs: dict[str, ModelFfnSpec], engines: tuple[str, ...] = ("vllm",)
     with running_pool(resolve(parse_deployment(_deployment(paths, specs, engines), "qualify"), "qualify")) as gen:
         for name, spec in specs.items():
             reference = Reference(spec)
-            for engine in _engines_of(spec, engines):
+            for engine in engines_of(spec, engines):
                 router = EngineRouter(spec, engine)
                 for k in TP_DEGREES:
                     rank = RankTransport(gen.plan.rank_layout(f"{engine}-{name}-tp{k}", 0))

@@ -75,10 +75,11 @@ MATRIX = [
 ]
 
 
-def prompts(vocab: int, count: int = PROMPTS, seed: int = 0) -> list[list[int]]:
-    """Seeded random token-id prompts of 4 to 39 tokens (tests and qualification share them)."""
+def prompts(vocab: int, count: int = PROMPTS, seed: int = 0, length: int | None = None) -> list[list[int]]:
+    """Seeded random token-id prompts of `length` tokens, default 4 to 39 (tests, qualification and
+    benchmarks share them)."""
     rng = random.Random(seed)
-    return [[rng.randrange(1, vocab) for _ in range(rng.randrange(4, 40))] for _ in range(count)]
+    return [[rng.randrange(1, vocab) for _ in range(length or rng.randrange(4, 40))] for _ in range(count)]
 
 
 def identical_prefix(a: list[int], b: list[int]) -> int:
@@ -230,17 +231,17 @@ def data_parallel_rows(
 def _settled_executed(control: str, timeout_s: float = 15.0) -> dict[str, int]:
     """The executed counts once they stop moving: agents report them with their heartbeats."""
     deadline = time.monotonic() + timeout_s
-    previous = _executed(httpx.get(control + "/metrics", timeout=10).text)
+    previous = executed_per_model(httpx.get(control + "/metrics", timeout=10).text)
     while time.monotonic() < deadline:
         time.sleep(1.5)
-        current = _executed(httpx.get(control + "/metrics", timeout=10).text)
+        current = executed_per_model(httpx.get(control + "/metrics", timeout=10).text)
         if current == previous:
             break
         previous = current
     return previous
 
 
-def _executed(metrics: str) -> dict[str, int]:
+def executed_per_model(metrics: str) -> dict[str, int]:
     """crosspool_ffn_executed_total per model, summed over agents."""
     out: dict[str, int] = {}
     for line in metrics.splitlines():
