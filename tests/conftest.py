@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from crosspool import envs
-from crosspool.ipc import SHM_DIR, SHM_PREFIX
+from crosspool.ipc import SHM_DIR
 
 CACHE = envs.cache_root()
 
@@ -61,16 +61,13 @@ def _thread_state(pid: int, tid: str) -> str:
         return "T"
 
 
-# CrossPool's segments, and those SGLang leaves when its processes are killed (CrossPool removes them).
-LEAK_PREFIXES = (SHM_PREFIX, "sglang_loads_", "sgl_shm_")
-
-
 def leftover_files() -> set[str]:
-    """CrossPool's and the engines' shm segments, and socket files in the temporary directory (the
-    engines' ZeroMQ ipc:// endpoints, which killed engine processes leave behind)."""
+    """Every file in /dev/shm (CrossPool's segments and whatever the engines made: CrossPool removes
+    what they leave when killed), and socket files in the temporary directory (the engines' ZeroMQ
+    ipc:// endpoints, which killed engine processes leave behind)."""
     tmp = Path(tempfile.gettempdir())
     sockets = {str(p) for p in tmp.iterdir() if p.is_socket()}
-    return {p.name for p in SHM_DIR.iterdir() if p.name.startswith(LEAK_PREFIXES)} | sockets
+    return {p.name for p in SHM_DIR.iterdir()} | sockets
 
 
 def project_processes() -> list[str]:

@@ -31,8 +31,8 @@ from crosspool import envs
 SHM_DIR = Path("/dev/shm")
 SHM_PREFIX = "crosspool-"
 # Files engines leave in /dev/shm when their processes are killed (docs/engines.md, leftovers): multiprocessing
-# semaphores and shared memory, SGLang's load snapshots and message queues.
-ENGINE_LEFTOVERS = ("sem.mp-", "psm_", "sglang_", "sgl_shm_")
+# semaphores and shared memory, vLLM's CPU tensor-parallel buffers, SGLang's load snapshots and message queues.
+ENGINE_LEFTOVERS = ("sem.mp-", "psm_", "vllm_dist_", "sglang_", "sgl_shm_")
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
