@@ -402,9 +402,10 @@ typedef struct {
     volatile uint32_t *w;
     uint64_t *counters; /* in the agent's inbox: executed, execute ns, queue ns */
     uint8_t *held;      /* per layer: computed here */
-    Py_ssize_t n_layers;
+    Py_ssize_t n_layers, last_held;
     int readers;
     uint32_t claimed;
+    int mid_step; /* the last call claimed was for a layer before the last one held here */
 } Served;
 
 typedef struct {
@@ -415,6 +416,13 @@ typedef struct {
     Py_ssize_t n;
     uint64_t spin_ns;
 } AgentChannel;
+
+/* Whether a call is due soon: some rank is inside a forward pass that has layers left here. */
+static int mid_step(AgentChannel *a) {
+    for (Py_ssize_t i = 0; i < a->n; i++)
+        if (a->served[i].mid_step) return 1;
+    return 0;
+}
 
 /* A call published and not claimed (read without the GIL: words only). */
 static int any_published(AgentChannel *a) {
@@ -453,6 +461,7 @@ static PyObject *claim(AgentChannel *a) {
         oldest->counters[l->c_claimed] = seq;
         if (layer == l->probe_layer || (layer < oldest->n_layers && oldest->held[layer])) {
             uint64_t now = now_ns();
+            oldest->mid_step = layer != l->probe_layer && (Py_ssize_t)layer < oldest->last_held;
             oldest->counters[l->c_queue_ns] += now - oldest_ns;
             return Py_BuildValue("(nIIIK)", index, seq, layer, rows, (unsigned long long)now);
         }
@@ -466,9 +475,11 @@ static PyObject *AgentChannel_next_call(AgentChannel *a, PyObject *args) {
     double timeout_s;
     if (!PyArg_ParseTuple(args, "d", &timeout_s)) return NULL;
     Py_BEGIN_ALLOW_THREADS
-    if (a->spin_ns) {
-        /* Watch the mailboxes, yielding the CPU to anything else runnable on it; then block. The
-         * doorbell counts of calls found this way are dropped before blocking. */
+    if (a->spin_ns && mid_step(a)) {
+        /* A rank is inside a forward pass: its next call follows one layer's attention later.
+         * Watch the mailboxes, yielding the CPU to anything else runnable on it; then block. The
+         * doorbell counts of calls found this way are dropped before blocking. Between forward
+         * passes (the engine schedules the next step) the lane blocks at once. */
         uint64_t end = now_ns() + a->spin_ns;
         int found = 0;
         while (!(found = any_published(a)) && now_ns() < end) sched_yield();
@@ -556,6 +567,9 @@ static int AgentChannel_init(AgentChannel *a, PyObject *args, PyObject *kw) {
         }
         memcpy(s->held, held.buf, (size_t)held.len);
         PyBuffer_Release(&held);
+        s->last_held = -1;
+        for (Py_ssize_t layer = 0; layer < s->n_layers; layer++)
+            if (s->held[layer]) s->last_held = layer;
         s->claimed = s->w[a->l.req_seq];
         s->counters[a->l.c_claimed] = s->claimed;
     }
