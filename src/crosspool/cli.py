@@ -89,6 +89,10 @@ def cmd_config_check(args: argparse.Namespace) -> int:
         "control": plan.control_cpus,
         "ranks": {m.id: m.rank_cpus for m in plan.models},
         "ffn_agents": {a.id: a.cpus for a in plan.ffn_agents},
+        "spin_us": {
+            "ranks": {m.id: m.spin_us for m in plan.models},
+            "ffn_agents": {a.id: a.spin_us for a in plan.ffn_agents},
+        },
     }
     print(json.dumps(resolved, indent=2))
     return 0

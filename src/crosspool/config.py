@@ -40,6 +40,10 @@ class Limits(_Strict):
     heartbeat_interval_s: float = Field(0.5, gt=0, le=10)
     heartbeat_timeout_s: float = Field(5.0, gt=0, le=120)
     """A member whose heartbeats stop this long (a frozen process) fails the generation."""
+    spin_us: int = Field(2000, ge=0, le=100_000)
+    """How long an end of a layer call watches the mailbox for the other end (yielding its CPU)
+    before it sleeps, where the two ends run on different CPUs (crosspool/cpus.py); an FfnAgent
+    watches only while a rank is inside a forward pass. 0: both ends always sleep."""
 
     @model_validator(mode="after")
     def _heartbeat_order(self) -> Limits:

@@ -1,19 +1,22 @@
-"""Which CPUs each role of a deployment runs on, and pinning a process there.
+"""Which CPUs each role of a deployment runs on, whether the ends of its layer calls spin, and
+pinning a process there.
 
-A layer call is a serial chain: the rank publishes its rows and sleeps, an FfnAgent computes, the
-rank goes on. Planned so that the chain never waits for a CPU: each FfnAgent runs on the CPUs of
-the ranks whose layers it computes (while it computes, the rank sleeps), and the roles that are not
-on the chain (the daemon, the front, the AtnAgents, and each engine's server and scheduler
-processes, such as vLLM's EngineCore, which busy-polls its workers) run on control CPUs of their
-own. Measured on a 2-core host (docs/design.md, "CPU placement"): an FfnAgent left to the
-scheduler shared a CPU with vLLM's busy-polling EngineCore and computed the same FFN up to 2x
-slower; one on the rank's CPU made a one-row call ~170 us cheaper than one on the other CPU.
+A layer call is a serial chain: the rank publishes its rows and waits, an FfnAgent computes, the
+rank goes on. Two ways to run it well (measured on a 2-core host, docs/design.md "CPU
+placement"): the FfnAgent on CPUs no rank uses, both ends watching the mailbox instead of
+sleeping, so that a call crosses CPUs without a wake-up and each side keeps its caches; or, where
+every CPU runs a rank, the FfnAgent on the CPUs of the ranks it serves, both ends sleeping (while
+it computes, the rank sleeps). Sharing a CPU costs ~80 us a call against an FFN in process (the
+two processes evict each other's caches and switch twice); a spinning end on the other CPU ~20 us.
 
 Default, over the CPUs this process may use: the last one is the control CPU (vLLM's own CPU
 binding reserves the last CPU for its EngineCore too), the others are cut into contiguous slices,
 one per engine rank in deployment order; when there are no more CPUs than ranks, the ranks spread
 over all of them (shared round-robin when there are more ranks than CPUs) and the control CPU is
-shared. Each field may be set in the deployment file.
+shared. FfnAgents run on the CPUs no rank uses if there are any (the control CPU: vLLM's EngineCore
+there busy-polls its workers only while they run a step, when the FfnAgent needs the CPU, and
+works between steps, when the FfnAgent sleeps), else on their ranks' CPUs. Each placement may be
+set in the deployment file; an end spins (`limits.spin_us`) only where its peers run on other CPUs.
 """
 
 from __future__ import annotations
@@ -51,6 +54,10 @@ class CpuPlan:
     ranks: dict[str, list[list[int]]]
     """Per model, per engine rank (dp_rank * attention_tp + tp_rank): its CPUs."""
     ffn_agents: dict[str, list[int]]
+    rank_spin_us: dict[str, int]
+    """Per model: how long its ranks watch for a reply before they sleep (0: never watch)."""
+    ffn_spin_us: dict[str, int]
+    """Per FfnAgent: how long it watches for a call before it sleeps, inside a forward pass."""
 
 
 def plan_cpus(deployment: Deployment, layer_agents: dict[str, list[list[str]]], host: list[int]) -> CpuPlan:
@@ -63,19 +70,15 @@ def plan_cpus(deployment: Deployment, layer_agents: dict[str, list[list[str]]], 
     for m in deployment.model:
         planned = [next(default) for _ in range(m.attention_tp * m.attention_dp)]
         ranks[m.id] = [list(c) for c in m.rank_cpus] if m.rank_cpus else planned
-    agents = {}
-    for a in deployment.ffn_agent:
-        served = sorted(
-            {
-                cpu
-                for m in deployment.model
-                if any(a.id in g for g in layer_agents[m.id])
-                for r in ranks[m.id]
-                for cpu in r
-            }
-        )
-        agents[a.id] = list(a.cpus) if a.cpus else served or host
-    return CpuPlan(control, ranks, agents)
+    on_ranks = {m.id: {cpu for cpus in ranks[m.id] for cpu in cpus} for m in deployment.model}
+    agents_of = {m.id: {a for group in layer_agents[m.id] for a in group} for m in deployment.model}
+    served = {a.id: set().union(*(on_ranks[m] for m in on_ranks if a.id in agents_of[m])) for a in deployment.ffn_agent}
+    spare = [cpu for cpu in host if not any(cpu in cpus for cpus in on_ranks.values())]
+    agents = {a.id: list(a.cpus) if a.cpus else spare or sorted(served[a.id]) or host for a in deployment.ffn_agent}
+    spin = deployment.limits.spin_us
+    rank_spin = {m: 0 if any(on_ranks[m] & set(agents[a]) for a in agents_of[m]) else spin for m in on_ranks}
+    ffn_spin = {a: 0 if served[a] & set(cpus) else spin for a, cpus in agents.items()}
+    return CpuPlan(control, ranks, agents, rank_spin, ffn_spin)
 
 
 def problems(deployment: Deployment, host: list[int]) -> list[str]:

@@ -14,8 +14,6 @@ MODEL = "CROSSPOOL_MODEL"
 """Set with PLAN: the model id this engine serves."""
 SUPERVISOR_PID = "CROSSPOOL_SUPERVISOR_PID"
 """Set in every member's environment: the pid of the daemon that started it."""
-SPIN_US = "CROSSPOOL_SPIN_US"
-"""Microseconds a waiter spins before it blocks on a futex (default 0: hosts without a spare core)."""
 
 
 def sharing_cores(env: Mapping[str, str]) -> dict[str, str]:
@@ -29,7 +27,3 @@ def sharing_cores(env: Mapping[str, str]) -> dict[str, str]:
 
 def cache_root() -> Path:
     return Path(os.environ.get(CACHE) or Path.home() / ".cache" / "crosspool")
-
-
-def spin_s() -> float:
-    return float(os.environ.get(SPIN_US, "0")) * 1e-6

@@ -2,9 +2,9 @@
 and Fabric stand on.
 
 Segments are plain files in /dev/shm (no multiprocessing.resource_tracker, which unlinks
-segments behind the back of attaching processes). Waiters spin for SPIN_S (none by default),
-then block on a semaphore in the segment; every wait is sliced so liveness checks run while
-blocked.
+segments behind the back of attaching processes). Waiters block on a semaphore in the segment
+(after watching the words for a while where the plan says so); every wait is sliced so liveness
+checks run while blocked.
 x86-64 keeps stores in program order (TSO), so "write payload, then publish a sequence
 word" is enough between processes; other architectures would need explicit fences.
 """
@@ -347,11 +347,6 @@ class Peer:
         return not ready
 
 
-# Spinning before blocking pays only where a core is free for the spinner. On a 2-vCPU host a
-# spinner holds the core the woken peer is scheduled on: futex ping-pong between two processes
-# took p50 18 us with no spin and 123 us with a 50 us spin, and SmolLM2 serving ran 20-30% faster
-# with none. Hosts with cores to spare can set CROSSPOOL_SPIN_US (envs.SPIN_US).
-SPIN_S = envs.spin_s()
 SLICE_S = 0.05
 """A blocked wait wakes at least this often to look at what it cannot be woken for (a peer's exit,
 its bound, a stop request)."""

@@ -37,6 +37,8 @@ class ModelPlan(_Frozen):
     attention_dp: int
     rank_cpus: list[list[int]]
     """Per engine rank, the CPUs it runs on (the engine binds its workers there)."""
+    spin_us: int
+    """How long a rank watches its mailbox for the reply before it sleeps (crosspool/cpus.py)."""
 
     @property
     def ranks(self) -> int:
@@ -74,6 +76,8 @@ class FfnAgentPlan(_Frozen):
     models: list[str]
     weight_bytes: int
     cpus: list[int]
+    spin_us: int
+    """How long the agent watches for a call inside a forward pass before it sleeps (crosspool/cpus.py)."""
 
 
 class Plan(_Frozen):
@@ -130,6 +134,7 @@ class Plan(_Frozen):
             timeout_s=self.ffn_timeout_s,
             tp_rank=rank % model.attention_tp,
             tp=model.attention_tp,
+            spin_us=model.spin_us,
         )
 
 
@@ -167,6 +172,7 @@ def build_plan(
                 attention_tp=m.attention_tp,
                 attention_dp=m.attention_dp,
                 rank_cpus=cpus.ranks[m.id],
+                spin_us=cpus.rank_spin_us[m.id],
             )
         )
         mailboxes += [
@@ -200,6 +206,7 @@ def build_plan(
                 models=[model for model, layers in held.items() if layers],
                 weight_bytes=weight_bytes,
                 cpus=cpus.ffn_agents[agent.id],
+                spin_us=cpus.ffn_spin_us[agent.id],
             )
         )
     limits = deployment.limits

@@ -108,9 +108,9 @@ def test_demo_answers_the_demo_question(demo):
 
 
 def test_demo_places_each_role_as_planned(demo):
-    """Every role on the CPUs the resolved deployment names: the rank and the FfnAgent on the rank's
-    CPUs (the layer call's serial chain), the rest (vLLM's API server and busy-polling EngineCore
-    included) on the control CPUs."""
+    """Every role on the CPUs the resolved deployment names: the rank on its own, the FfnAgent on
+    the CPUs no rank uses (on a host with one: with its rank, both ends then sleeping instead of
+    spinning), the rest (vLLM's API server and busy-polling EngineCore included) on the control CPUs."""
     from crosspool.cpus import descendants
 
     d = demo.get()
@@ -125,7 +125,12 @@ def test_demo_places_each_role_as_planned(demo):
 
     rank, ffn = d.pid_of("Instance 'smollm2-135m' rank 0"), d.pid_of("FfnAgent 'ffn0'")
     assert os.sched_getaffinity(rank) == set(rank_cpus)  # the worker's compute thread
-    assert cpus(ffn) == set(planned["ffn_agents"]["ffn0"]) == set(rank_cpus)
+    assert cpus(ffn) == set(planned["ffn_agents"]["ffn0"])
+    apart = not set(rank_cpus) & set(planned["ffn_agents"]["ffn0"])
+    assert planned["spin_us"] == {
+        "ranks": {"smollm2-135m": 2000 if apart else 0},
+        "ffn_agents": {"ffn0": 2000 if apart else 0},
+    }
     control = set(planned["control"])
     engine_core = int(Path(f"/proc/{rank}/stat").read_text().rsplit(")", 1)[1].split()[1])  # the worker's parent
     for name, pid in [

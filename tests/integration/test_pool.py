@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from conftest import assert_nothing_left, frozen, leftover_files
-from crosspool import envs
 from crosspool.agents.ffn.weights import load_layers
 from crosspool.config import parse_deployment
 from crosspool.daemon.daemon import running_pool
@@ -176,15 +175,16 @@ def test_probe_is_answered_by_the_agent_without_computing(shared):
         rank.probe()  # nobody else answers for the agent
 
 
-def test_spinning_ends_compute_alike_and_still_time_out(tiny_models, reference, monkeypatch, no_leftovers):
-    """CROSSPOOL_SPIN_US: both ends watch the mailbox (yielding the CPU) before they sleep. Results
-    are the same bits, and a stopped agent still fails the call within its bound."""
-    from crosspool.transport import mailbox
-
-    monkeypatch.setenv(envs.SPIN_US, "2000")  # the agents read it at start
-    monkeypatch.setattr(mailbox, "SPIN_S", 0.002)  # this process, the rank
-    d = parse_deployment("[limits]\nmax_batched_tokens = 256\nffn_timeout_s = 2\n" + _model("q", tiny_models["qwen3"]))
+def test_spinning_ends_compute_alike_and_still_time_out(tiny_models, reference, no_leftovers):
+    """Ends on different CPUs watch the mailbox (yielding the CPU) before they sleep, as planned.
+    Results are the same bits, and a stopped agent still fails the call within its bound."""
+    d = parse_deployment(
+        "[limits]\nmax_batched_tokens = 256\nffn_timeout_s = 2\nspin_us = 3000\n"
+        + '[[ffn_agent]]\nid = "ffn0"\ncpus = [0]\n'
+        + _model("q", tiny_models["qwen3"], rank_cpus=[[1]])
+    )
     with running_pool(resolve(d)) as gen:
+        assert gen.plan.ffn_agents[0].spin_us == gen.plan.model("q").spin_us == 3000
         rank = RankTransport(gen.plan.rank_layout("q", 0))
         torch.manual_seed(1)
         for rows in (1, 64):

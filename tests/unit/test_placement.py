@@ -90,25 +90,27 @@ def _models(path: object, *specs: str) -> str:
 
 
 @pytest.mark.parametrize(
-    ("host", "specs", "control", "ranks", "agent"),
+    ("host", "specs", "control", "ranks", "agent", "spin"),
     [
-        # one rank: it and the FfnAgent on the first CPU, everything off the chain on the last
-        ([0, 1], [""], [1], {"m0": [[0]]}, [0]),
-        ([0, 1, 2, 3], [""], [3], {"m0": [[0, 1, 2]]}, [0, 1, 2]),
-        # no more CPUs than ranks: ranks spread over all of them, control shares the last
-        ([0, 1], ["attention_tp = 2"], [1], {"m0": [[0], [1]]}, [0, 1]),
-        ([0, 1], ["", ""], [1], {"m0": [[0]], "m1": [[1]]}, [0, 1]),
-        ([4, 5, 6], ["", ""], [6], {"m0": [[4]], "m1": [[5]]}, [4, 5]),
-        ([0], ["attention_dp = 2"], [0], {"m0": [[0], [0]]}, [0]),
+        # a CPU no rank uses (the last, with everything off the chain): the FfnAgent there, both ends spin
+        ([0, 1], [""], [1], {"m0": [[0]]}, [1], 2000),
+        ([0, 1, 2, 3], [""], [3], {"m0": [[0, 1, 2]]}, [3], 2000),
+        ([4, 5, 6], ["", ""], [6], {"m0": [[4]], "m1": [[5]]}, [6], 2000),
+        # no more CPUs than ranks: ranks spread over all of them, control shares the last, the
+        # FfnAgent shares its ranks' CPUs and both ends sleep
+        ([0, 1], ["attention_tp = 2"], [1], {"m0": [[0], [1]]}, [0, 1], 0),
+        ([0, 1], ["", ""], [1], {"m0": [[0]], "m1": [[1]]}, [0, 1], 0),
+        ([0], ["attention_dp = 2"], [0], {"m0": [[0], [0]]}, [0], 0),
     ],
 )
-def test_cpu_plan_keeps_each_ffn_agent_where_its_ranks_wait(
-    tiny_models, monkeypatch, host, specs, control, ranks, agent
+def test_cpu_plan_puts_each_ffn_agent_apart_from_its_ranks_where_it_can(
+    tiny_models, monkeypatch, host, specs, control, ranks, agent, spin
 ):
     plan = _cpu_plan(_models(tiny_models["qwen3"], *specs), host, monkeypatch)
     assert plan.control_cpus == control
     assert {m.id: m.rank_cpus for m in plan.models} == ranks
     assert [a.cpus for a in plan.ffn_agents] == [agent]
+    assert [a.spin_us for a in plan.ffn_agents] == [spin] and {m.spin_us for m in plan.models} == {spin}
 
 
 def test_cpu_plan_follows_the_deployment_file_and_each_agent_its_models(tiny_models, monkeypatch):
@@ -121,7 +123,11 @@ def test_cpu_plan_follows_the_deployment_file_and_each_agent_its_models(tiny_mod
     plan = _cpu_plan(text, [0, 1, 2, 3], monkeypatch)
     assert plan.control_cpus == [0]
     assert plan.model("m0").rank_cpus == [[2], [1]] and plan.model("m1").rank_cpus == [[2]]
-    assert {a.id: a.cpus for a in plan.ffn_agents} == {"fa": [1, 2], "fb": [3]}  # fa: where m0's ranks wait
+    assert {a.id: a.cpus for a in plan.ffn_agents} == {"fa": [0, 3], "fb": [3]}  # fa: where no rank runs
+    assert [m.spin_us for m in plan.models] == [2000, 2000] and [a.spin_us for a in plan.ffn_agents] == [2000, 2000]
+    shared = _cpu_plan(text.replace("cpus = [3]", "cpus = [2]"), [0, 1, 2, 3], monkeypatch)
+    assert [m.spin_us for m in shared.models] == [2000, 0]  # m1's rank and its FfnAgent share CPU 2
+    assert {a.id: a.spin_us for a in shared.ffn_agents} == {"fa": 2000, "fb": 0}
 
 
 def test_cpus_this_host_does_not_allow_are_refused(tiny_models, monkeypatch):

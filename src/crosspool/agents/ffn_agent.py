@@ -19,7 +19,7 @@ from crosspool.agents.ffn.weights import LayerExecutor, load_layers
 from crosspool.agents.process import AgentProcess
 from crosspool.fabric.inbox import COUNTERS, Inbox
 from crosspool.integrations import kernels
-from crosspool.ipc import SLICE_S, SPIN_S
+from crosspool.ipc import SLICE_S
 from crosspool.models.spec import load_ffn_spec
 from crosspool.plan import MailboxPlan
 from crosspool.transport._calls import AgentChannel
@@ -73,7 +73,7 @@ class FfnAgent:
                 held = bytes(layer in layers[mplan.model] for layer in range(plan.model(mplan.model).num_layers))
                 ends.append((mailbox.seg.addr, self.inbox.counters_address(mplan.index), mailbox.readers, held))
         self.channel = AgentChannel(
-            layout=LAYOUT | COUNTERS, doorbell=self.inbox.doorbell.address, served=ends, spin_ns=int(SPIN_S * 1e9)
+            layout=LAYOUT | COUNTERS, doorbell=self.inbox.doorbell.address, served=ends, spin_ns=me.spin_us * 1000
         )
         self.lanes = me.lanes
 

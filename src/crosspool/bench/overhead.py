@@ -4,7 +4,8 @@
 
 One invocation starts the native engine's OpenAI server (the engine's own defaults on this host's
 CPUs) and a CrossPool deployment of the same model with the same engine arguments (`crosspool
-daemon`: FFN pool, engine, front, as planned), side by side, and sends both the same greedy
+daemon`: FFN pool, engine, front, as planned; with `--compare-shared-cpus` a second one whose
+FfnAgent shares its rank's CPUs), side by side, and sends them the same greedy
 requests (token-id prompts, `ignore_eos`), alternating native and CrossPool for every batch size
 and repeat (native first in even repeats, CrossPool first in odd ones); a ratio is the median over
 repeats of each repeat's adjacent pair. Only the measured side's engine runs: the other's
@@ -44,7 +45,7 @@ import httpx
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from crosspool import envs, host
+from crosspool import host
 from crosspool.agents.ffn.weights import load_layers
 from crosspool.bench import procs
 from crosspool.config import ModelConfig, parse_deployment
@@ -60,6 +61,8 @@ from crosspool.resolve import resolve
 from crosspool.transport.mailbox import RankTransport
 
 HOST = "127.0.0.1"
+SHARED = "crosspool-ffn-on-rank-cpus"
+"""The variant `--compare-shared-cpus` adds: the FfnAgent on its rank's CPUs, both ends sleeping."""
 MAX_BATCHED = 2048
 BATCHES = (1, 16)
 START_TIMEOUT_S = 900.0
@@ -72,9 +75,17 @@ class BenchError(RuntimeError):
 
 
 def deployment_text(
-    model_path: Path, engine: str, dtype: str, eager: bool, port: int, control_port: int, ffn_cpus: list[int] | None
+    model_path: Path,
+    engine: str,
+    dtype: str,
+    eager: bool,
+    port: int,
+    control_port: int,
+    ffn_cpus: list[int] | None,
+    spin_us: int | None,
 ) -> str:
     agent = f'[[ffn_agent]]\nid = "ffn0"\ncpus = {ffn_cpus}\n' if ffn_cpus else ""
+    spin = f"spin_us = {spin_us}\n" if spin_us is not None else ""
     return (
         f'''name = "bench"
 port = {port}
@@ -82,7 +93,7 @@ control_port = {control_port}
 [limits]
 max_batched_tokens = {MAX_BATCHED}
 heartbeat_timeout_s = {STOPPED_SIDE_TIMEOUT_S}
-[[model]]
+{spin}[[model]]
 id = "bench"
 path = "{model_path}"
 engine = "{engine}"
@@ -150,8 +161,8 @@ def native_server(model: ModelConfig, rank_cpus: list[list[int]], log: TextIO) -
 
 
 @contextlib.contextmanager
-def crosspool_daemon(text: str, run_dir: Path, log: TextIO, env: dict[str, str]) -> Iterator[Side]:
-    """`crosspool daemon FILE` as a user runs it, until its ready line."""
+def crosspool_daemon(name: str, text: str, run_dir: Path, log: TextIO) -> Iterator[Side]:
+    """`crosspool daemon FILE` as a user runs it."""
     d = parse_deployment(text)
     file = run_dir / "bench.toml"
     file.write_text(text)
@@ -161,10 +172,9 @@ def crosspool_daemon(text: str, run_dir: Path, log: TextIO, env: dict[str, str])
         stderr=log,
         text=True,
         start_new_session=True,
-        env=env,
     )
     try:
-        yield Side("crosspool", f"http://{d.host}:{d.port}", proc.pid, f"http://{d.host}:{d.control}")
+        yield Side(name, f"http://{d.host}:{d.port}", proc.pid, f"http://{d.host}:{d.control}")
     finally:
         if proc.poll() is None:
             proc.terminate()
@@ -251,14 +261,22 @@ def ffn_counters(metrics_url: str) -> dict[str, float]:
     return out
 
 
-def measure(side: Side, others: list[Side], prompts: list[list[int]], tokens: int, layers: int, pool_url: str) -> dict:
-    """One timed run on `side`; the scheduler's view of every side's processes over the window."""
+def _pools(sides: list[Side]) -> dict[str, dict[str, float]]:
+    return {s.name: ffn_counters(s.metrics_url) for s in sides if s.metrics_url is not None}
+
+
+def measure(side: Side, others: list[Side], prompts: list[list[int]], tokens: int, layers: int) -> dict:
+    """One timed run on `side`; the scheduler's view of every side's processes over the window.
+    Only `side`'s FFN pool (none for the native side) may execute layer calls meanwhile."""
     watched = {s.name: s.processes() for s in [side, *others]}
     before = {name: procs.snapshot(p) for name, p in watched.items()}
-    counters_before = ffn_counters(pool_url)
+    pools_before = _pools([side, *others])
     seconds, generated = asyncio.run(_generate(side.url, "bench", prompts, tokens))
     after = {name: procs.snapshot(p) for name, p in watched.items()}
-    counters = {k: v - counters_before[k] for k, v in ffn_counters(pool_url).items()}
+    pools = {name: {k: v - pools_before[name][k] for k, v in c.items()} for name, c in _pools([side, *others]).items()}
+    for name, c in pools.items():
+        if name != side.name and (c["executed"] or c["calls"]):
+            raise BenchError(f"the FFN pool of {name} executed {c['executed']:g} calls during a run of {side.name}")
     if generated != len(prompts) * tokens:
         raise BenchError(f"{side.name}: {generated} tokens generated, {len(prompts) * tokens} asked")
     run: dict = {
@@ -268,10 +286,9 @@ def measure(side: Side, others: list[Side], prompts: list[list[int]], tokens: in
         "tok_s": round(generated / seconds, 3),
         "processes": {name: procs.by_role(p, before[name], after[name]) for name, p in watched.items()},
     }
-    if side.name == "native":
-        if counters["executed"] or counters["calls"]:
-            raise BenchError(f"the FFN pool executed {counters['executed']:g} calls during a native run")
+    if side.metrics_url is None:  # native
         return run
+    counters = pools[side.name]
     # Every step of the batch is a forward pass through every layer.
     if counters["executed"] < tokens * layers or counters["calls"] < tokens * layers:
         raise BenchError(
@@ -316,21 +333,18 @@ def round_trips(plan: Plan, calls: int) -> dict:
             torch.set_num_threads(threads)
 
 
-def _ratios(runs: list[dict], batch: int) -> dict:
-    """The CrossPool/native ratio at `batch`: the median over repeats of each repeat's pair of
-    adjacent runs (this host's speed drifts over tens of seconds, more than within a pair), and the
+def _ratios(runs: list[dict], batch: int, side: str) -> dict:
+    """The `side`/native ratio at `batch`: the median over repeats of each repeat's pair of runs
+    (adjacent: this host's speed drifts over tens of seconds, more than within a pair), and the
     ratio of the sides' medians beside it."""
-    rates = {
-        side: [r["tok_s"] for r in runs if r["batch"] == batch and r["side"] == side]
-        for side in ("native", "crosspool")
-    }
-    pairs = [c / n for n, c in zip(rates["native"], rates["crosspool"], strict=True)]
-    native, pooled = statistics.median(rates["native"]), statistics.median(rates["crosspool"])
-    steps = [r["per_step_ms"] for r in runs if r["batch"] == batch and r["side"] == "crosspool"]
+    rates = {s: [r["tok_s"] for r in runs if r["batch"] == batch and r["side"] == s] for s in ("native", side)}
+    pairs = [c / n for n, c in zip(rates["native"], rates[side], strict=True)]
+    native, pooled = statistics.median(rates["native"]), statistics.median(rates[side])
+    steps = [r["per_step_ms"] for r in runs if r["batch"] == batch and r["side"] == side]
     breakdown = {k: round(statistics.median(s[k] for s in steps), 3) for k in steps[0]}
     return {
         "native_tok_s": rates["native"],
-        "crosspool_tok_s": rates["crosspool"],
+        "crosspool_tok_s": rates[side],
         "pair_ratios": [round(r, 4) for r in pairs],
         "ratio": round(statistics.median(pairs), 4),
         "native_median": native,
@@ -358,14 +372,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--idle-s", type=float, default=1.5, help="pause after switching sides, before a run")
     p.add_argument("--ffn-cpus", type=int, nargs="+", default=None, help="the FfnAgent's CPUs (default: planned)")
     p.add_argument(
-        "--spin-us", type=int, default=0, help="CROSSPOOL_SPIN_US of the CrossPool deployment (default 0: no spin)"
+        "--spin-us", type=int, default=None, help="limits.spin_us of the CrossPool deployment (default: its default)"
+    )
+    p.add_argument(
+        "--compare-shared-cpus",
+        action="store_true",
+        help="also a CrossPool deployment with the FfnAgent on its rank's CPUs (both ends sleeping), in the same run",
     )
     p.add_argument("--round-trips", type=int, default=2000)
     p.add_argument("--out", type=Path, required=True, help="the JSON report (engine logs next to it, .log)")
     args = p.parse_args(argv)
     model_path = (args.model or prepare_smollm2()).resolve()
     eager = args.eager or args.engine == "sglang"
-    text = deployment_text(model_path, args.engine, args.dtype, eager, bind_port(HOST), bind_port(HOST), args.ffn_cpus)
+    ports = bind_port(HOST), bind_port(HOST)
+    text = deployment_text(model_path, args.engine, args.dtype, eager, *ports, args.ffn_cpus, args.spin_us)
     resolved = resolve(parse_deployment(text, "bench"), "bench")
     (model,) = resolved.deployment.model
     layers = len(resolved.specs[model.id].layers)
@@ -374,44 +394,53 @@ def main(argv: list[str] | None = None) -> int:
     log_path = args.out.with_suffix(".log")
     say = lambda message: print(f"crosspool bench: {message}", file=sys.stderr, flush=True)  # noqa: E731
     runs: list[dict] = []
-    with log_path.open("w") as log, tempfile.TemporaryDirectory(prefix="crosspool-bench-") as tmp:
-        say(
-            f"starting native {args.engine} and CrossPool ({args.dtype}, {'eager' if eager else 'compile'}); "
-            f"log: {log_path}"
+    rank_cpus = resolved.cpus.ranks[model.id]
+    variants = {"crosspool": text}
+    if args.compare_shared_cpus:
+        shared = deployment_text(
+            model_path, args.engine, args.dtype, eager, bind_port(HOST), bind_port(HOST), rank_cpus[0], args.spin_us
         )
-        rank_cpus = resolved.cpus.ranks[model.id]
-        with (
-            native_server(model, rank_cpus, log) as native,
-            crosspool_daemon(text, Path(tmp), log, {**os.environ, envs.SPIN_US: str(args.spin_us)}) as pooled,
-        ):
-            start = time.monotonic()
-            wait_ready([native, pooled], log_path, start + START_TIMEOUT_S)
-            say(f"both serving after {time.monotonic() - start:.0f} s")
-            assert pooled.metrics_url is not None
-            sides = [native, pooled]
-            with alone(sides) as only:
-                for side in sides:  # warm-up: first steps, and in compile mode shapes seen the first time
-                    only(side)
-                    for batch in BATCHES:
-                        asyncio.run(_generate(side.url, "bench", work[:batch], args.output_len))
-                for repeat in range(args.repeats):
-                    for batch in BATCHES:
-                        # A B, then B A: a drift of the host's speed weighs on both sides alike.
-                        for side in sides if repeat % 2 == 0 else sides[::-1]:
-                            only(side)
-                            time.sleep(args.idle_s)
-                            others = [s for s in sides if s is not side]
-                            run = measure(side, others, work[:batch], args.output_len, layers, pooled.metrics_url)
-                            runs.append(run)
-                            say(
-                                f"repeat {repeat + 1}/{args.repeats} batch {batch:>2} {side.name:>9}: "
-                                f"{run['tok_s']:.1f} tok/s"
-                            )
-            placement = {s.name: {role: procs.affinity(pid) for pid, role in s.processes().items()} for s in sides}
+        variants[SHARED] = shared
+    with (
+        log_path.open("w") as log,
+        tempfile.TemporaryDirectory(prefix="crosspool-bench-") as tmp,
+        contextlib.ExitStack() as stack,
+    ):
+        mode = "eager" if eager else "compile"
+        say(f"starting native {args.engine} and {', '.join(variants)} ({args.dtype}, {mode}); log: {log_path}")
+        native = stack.enter_context(native_server(model, rank_cpus, log))
+        sides = [native]
+        for name, variant in variants.items():
+            run_dir = Path(tmp) / name
+            run_dir.mkdir()
+            sides.append(stack.enter_context(crosspool_daemon(name, variant, run_dir, log)))
+        start = time.monotonic()
+        wait_ready(sides, log_path, start + START_TIMEOUT_S)
+        say(f"all serving after {time.monotonic() - start:.0f} s")
+        with alone(sides) as only:
+            for side in sides:  # warm-up: first steps, and in compile mode shapes seen the first time
+                only(side)
+                for batch in BATCHES:
+                    asyncio.run(_generate(side.url, "bench", work[:batch], args.output_len))
+            for repeat in range(args.repeats):
+                for batch in BATCHES:
+                    # A B, then B A: a drift of the host's speed weighs on both sides alike.
+                    for side in sides if repeat % 2 == 0 else sides[::-1]:
+                        only(side)
+                        time.sleep(args.idle_s)
+                        others = [s for s in sides if s is not side]
+                        run = measure(side, others, work[:batch], args.output_len, layers)
+                        runs.append(run)
+                        say(
+                            f"repeat {repeat + 1}/{args.repeats} batch {batch:>2} {side.name:>9}: "
+                            f"{run['tok_s']:.1f} tok/s"
+                        )
+        placement = {s.name: {role: procs.affinity(pid) for pid, role in s.processes().items()} for s in sides}
     say("round trips ...")
     with running_pool(resolved) as gen:
         rt = round_trips(gen.plan, args.round_trips)
-    by_batch = {str(b): _ratios(runs, b) for b in BATCHES}
+    by_batch = {str(b): _ratios(runs, b, "crosspool") for b in BATCHES}
+    compared = {name: {str(b): _ratios(runs, b, name) for b in BATCHES} for name in variants if name != "crosspool"}
     result = {
         "host": host.describe(),
         "argv": sys.argv[1:] if argv is None else argv,
@@ -423,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
         "output_len": args.output_len,
         "repeats": args.repeats,
         "idle_s": args.idle_s,
-        "spin_us": args.spin_us,
+        "spin_us": {"ranks": resolved.cpus.rank_spin_us[model.id], "ffn_agent": resolved.cpus.ffn_spin_us["ffn0"]},
         "summary": {
             "ratio_batch1": by_batch["1"]["ratio"],
             "ratio_batch16": by_batch["16"]["ratio"],
@@ -431,8 +460,10 @@ def main(argv: list[str] | None = None) -> int:
             "round_trip_p99_us": round(rt["probe_round_trip_us"]["p99"], 1),
             "layer_call_p50_us": round(rt["layer_call_us"]["p50"], 1),
             "in_process_ffn_p50_us": round(rt["in_process_ffn_us"]["p50"], 1),
+            **{f"{name}_ratio_batch{b}": ratios[str(b)]["ratio"] for name, ratios in compared.items() for b in BATCHES},
         },
         "throughput": by_batch,
+        "compared": compared,
         "placement": placement,
         "one_row": rt,
         "runs": runs,

@@ -461,7 +461,8 @@ static PyObject *claim(AgentChannel *a) {
         oldest->counters[l->c_claimed] = seq;
         if (layer == l->probe_layer || (layer < oldest->n_layers && oldest->held[layer])) {
             uint64_t now = now_ns();
-            oldest->mid_step = layer != l->probe_layer && (Py_ssize_t)layer < oldest->last_held;
+            /* A probe is timed in a loop of probes: the next one follows as soon as a layer would. */
+            oldest->mid_step = layer == l->probe_layer || (Py_ssize_t)layer < oldest->last_held;
             oldest->counters[l->c_queue_ns] += now - oldest_ns;
             return Py_BuildValue("(nIIIK)", index, seq, layer, rows, (unsigned long long)now);
         }

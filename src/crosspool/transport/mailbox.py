@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from crosspool.fabric.inbox import Inbox
-from crosspool.ipc import SEM_SIZE, SLICE_S, SPIN_S, Segment, Semaphore
+from crosspool.ipc import SEM_SIZE, SLICE_S, Segment, Semaphore
 from crosspool.models.spec import DTYPES
 from crosspool.transport import _calls as calls
 from crosspool.transport._calls import RankChannel
@@ -222,6 +222,8 @@ class RankLayout:
     tp_rank: int = 0
     tp: int = 1
     """`tp_rank` 0 publishes the calls of the mailbox's `tp` ranks; the others follow."""
+    spin_us: int = 0
+    """How long a call watches for its reply (yielding the CPU) before it sleeps."""
 
 
 LAYOUT = {
@@ -282,7 +284,7 @@ class RankTransport:
             doorbells=[inbox.doorbell.address for inbox in inboxes],
             pidfds=[peer.fd for peer in self.peers],
             bound_ns=int(layout.timeout_s * 1e9),
-            spin_ns=int(SPIN_S * 1e9),
+            spin_ns=layout.spin_us * 1000,
             slice_ns=int(SLICE_S * 1e9),
             buckets_ns=LATENCY_BUCKETS_NS,
         )
