@@ -126,6 +126,13 @@ def die_with_supervisor(*, noted: bool = False) -> None:
         os.kill(os.getpid(), sig)
 
 
+def sigterm_unwinds() -> None:
+    """SIGTERM raises KeyboardInterrupt in the main thread, as Ctrl-C does: a command's with-blocks
+    then stop the processes they started (Python's default for SIGTERM exits at once, leaving
+    them running)."""
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+
+
 class Stop:
     """A stop request that a signal handler may make. Handlers run in the main thread between
     bytecodes, possibly while it holds a lock: `threading.Event.set` in a handler deadlocked an

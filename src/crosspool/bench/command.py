@@ -6,6 +6,8 @@ from __future__ import annotations
 import importlib
 import sys
 
+from crosspool.ipc import sigterm_unwinds
+
 BENCHES = {
     "overhead": (
         "crosspool.bench.overhead",
@@ -21,6 +23,7 @@ def main(argv: list[str]) -> int:
         for name, (_, what) in BENCHES.items():
             print(f"  {name:<10} {what}", file=sys.stderr)
         return 0 if argv[:1] in (["-h"], ["--help"]) else 2
+    sigterm_unwinds()
     module, _ = BENCHES[argv[0]]
     code: int = importlib.import_module(module).main(argv[1:])
     return code

@@ -17,6 +17,7 @@ from typing import Any
 
 from crosspool import host
 from crosspool.integrations import ENGINES, launcher
+from crosspool.ipc import sigterm_unwinds
 from crosspool.models.spec import load_ffn_spec
 from crosspool.qualify import ffn, serving
 
@@ -61,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         "--out", type=Path, default=None, help="also write a JSON report: host, arguments, summary, verdicts"
     )
     args = p.parse_args(argv)
+    sigterm_unwinds()
     for path in args.model:
         if not (path / "config.json").is_file():
             p.error(f"--model {path}: not a checkpoint directory (no config.json)")
