@@ -57,6 +57,10 @@ class Limits(_Strict):
 
 class AttentionDevice(_Strict):
     id: Name
+    kv_budget_gib: float | None = Field(None, gt=0)
+    """Elastic KV (docs/elastic-kv.md): the KV bytes all Instance ranks on this device share. Each
+    model's ranks then back between its kv_floor_gib and kv_cache_gib as demand moves, the daemon
+    moving capacity between them; unset: every Instance keeps its fixed kv_cache_gib."""
 
 
 class FfnAgentConfig(_Strict):
@@ -91,6 +95,14 @@ class ModelConfig(_Strict):
     max_model_len: int = Field(2048, ge=16)
     max_num_seqs: int = Field(16, ge=1)
     kv_cache_gib: int = Field(1, ge=1)
+    """KV bytes per engine rank; with elastic KV the most a rank may back (its reserved range)."""
+    kv_floor_gib: float = Field(0.0, ge=0)
+    """Elastic KV: KV bytes per engine rank that are never reclaimed (the engine keeps at least
+    one max_model_len sequence's blocks whatever this says)."""
+    ttft_slo_s: float = Field(5.0, gt=0)
+    """Elastic KV: time to first token a request should meet; a blocked prefill's deadline."""
+    tbt_slo_s: float = Field(1.0, gt=0)
+    """Elastic KV: time between tokens a request should meet; a blocked decode's deadline."""
     enforce_eager: bool = False
     """vLLM: true = eager, false = its torch.compile mode. SGLang always serves eager here (its CPU
     torch.compile decode graph is refused), so the flag does not change an SGLang Instance."""
@@ -102,10 +114,20 @@ class ModelConfig(_Strict):
 
     @model_validator(mode="after")
     def _rank_cpus_per_rank(self) -> ModelConfig:
-        ranks = self.attention_tp * self.attention_dp
-        if self.rank_cpus is not None and len(self.rank_cpus) != ranks:
-            raise ValueError(f"rank_cpus: one CPU list per engine rank ({ranks}) (got {len(self.rank_cpus)})")
+        if self.rank_cpus is not None and len(self.rank_cpus) != self.ranks:
+            raise ValueError(f"rank_cpus: one CPU list per engine rank ({self.ranks}) (got {len(self.rank_cpus)})")
         return self
+
+    @model_validator(mode="after")
+    def _floor_under_ceiling(self) -> ModelConfig:
+        if self.kv_floor_gib > self.kv_cache_gib:
+            raise ValueError(f"kv_floor_gib: more than kv_cache_gib ({self.kv_cache_gib}) (got {self.kv_floor_gib:g})")
+        return self
+
+    @property
+    def ranks(self) -> int:
+        """Engine ranks (workers): attention_tp x attention_dp."""
+        return self.attention_tp * self.attention_dp
 
     @field_validator("path", mode="before")
     @classmethod
@@ -167,6 +189,13 @@ class Deployment(_Strict):
                 )
             if m.ffn_agent is not None and m.ffn_agent not in ffn_ids:
                 raise ValueError(f"model[{i}].ffn_agent: unknown agent {m.ffn_agent!r} (known: {sorted(ffn_ids)})")
+        for device in self.attention_device:
+            floors = sum(m.kv_floor_gib * m.ranks for m in self.model if self.attention_of(m) == device.id)
+            if device.kv_budget_gib is not None and floors > device.kv_budget_gib:
+                raise ValueError(
+                    f"attention_device.{device.id}.kv_budget_gib: less than its models' floors "
+                    f"(kv_floor_gib x ranks = {floors:g}) (got {device.kv_budget_gib:g})"
+                )
         if self.control == self.port or self.control > 65535:
             raise ValueError(f"control_port: must be a free port other than port (got {self.control})")
         return self

@@ -65,10 +65,10 @@ def plan_cpus(deployment: Deployment, layer_agents: dict[str, list[list[str]]], 
     `layer_agents`: per model, each layer's execution group (the FFN placement)."""
     assert host, "no CPU to run on"
     control = list(deployment.control_cpus or host[-1:])
-    default = iter(rank_cpus(sum(m.attention_tp * m.attention_dp for m in deployment.model), host))
+    default = iter(rank_cpus(sum(m.ranks for m in deployment.model), host))
     ranks = {}
     for m in deployment.model:
-        planned = [next(default) for _ in range(m.attention_tp * m.attention_dp)]
+        planned = [next(default) for _ in range(m.ranks)]
         ranks[m.id] = [list(c) for c in m.rank_cpus] if m.rank_cpus else planned
     on_ranks = {m.id: {cpu for cpus in ranks[m.id] for cpu in cpus} for m in deployment.model}
     agents_of = {m.id: {a for group in layer_agents[m.id] for a in group} for m in deployment.model}

@@ -69,6 +69,28 @@ class MailboxPlan(_Frozen):
     """Output planes: the largest execution group of the model's layers (FFN tensor parallelism)."""
 
 
+class KvGroupPlan(_Frozen):
+    """Elastic KV: one KV Capacity Group, an Instance's DP rank with all its TP ranks (one engine
+    scheduler decides for them); its control channel is a shared-memory segment (kv/channel.py)."""
+
+    name: str
+    model: str
+    dp_rank: int
+    device: str
+    floor_bytes: int
+    ceiling_bytes: int
+    """Over the group's ranks: kv_floor_gib and kv_cache_gib times attention_tp."""
+    ttft_slo_s: float
+    tbt_slo_s: float
+
+
+class KvPoolPlan(_Frozen):
+    """Elastic KV: the KV byte budget of one attention device, shared by its groups."""
+
+    device: str
+    budget_bytes: int
+
+
 class FfnAgentPlan(_Frozen):
     id: str
     threads: int
@@ -98,6 +120,8 @@ class Plan(_Frozen):
     atn_agents: list[str]
     ffn_agents: list[FfnAgentPlan]
     mailboxes: list[MailboxPlan]
+    kv_pools: list[KvPoolPlan]
+    kv_groups: list[KvGroupPlan]
 
     def fingerprint(self) -> str:
         """What a member proves it resolved: the whole plan, hashed (config digest included)."""
@@ -115,6 +139,10 @@ class Plan(_Frozen):
 
     def mailboxes_of(self, model_id: str) -> list[MailboxPlan]:
         return [mb for mb in self.mailboxes if mb.model == model_id]
+
+    def kv_group(self, model_id: str, dp_rank: int) -> KvGroupPlan | None:
+        """The model's DP rank's KV Capacity Group; None where its device has no elastic KV."""
+        return next((g for g in self.kv_groups if g.model == model_id and g.dp_rank == dp_rank), None)
 
     def rank_slots(self) -> list[tuple[str, int]]:
         """(model, rank) of every engine rank that attaches to the FFN pool."""
@@ -190,6 +218,22 @@ def build_plan(
             )
             for dp_rank in range(m.attention_dp)
         ]
+    budgets = {a.id: a.kv_budget_gib for a in deployment.attention_device if a.kv_budget_gib is not None}
+    kv_groups = [
+        KvGroupPlan(
+            name=f"{prefix}kv-{m.id}-dp{dp_rank}",
+            model=m.id,
+            dp_rank=dp_rank,
+            device=deployment.attention_of(m),
+            floor_bytes=int(m.kv_floor_gib * 2**30) * m.attention_tp,
+            ceiling_bytes=m.kv_cache_gib * 2**30 * m.attention_tp,
+            ttft_slo_s=m.ttft_slo_s,
+            tbt_slo_s=m.tbt_slo_s,
+        )
+        for m in deployment.model
+        if deployment.attention_of(m) in budgets
+        for dp_rank in range(m.attention_dp)
+    ]
     agents = []
     for agent in deployment.ffn_agent:
         held = {m.id: [li for li, group in enumerate(placement[m.id]) if agent.id in group] for m in deployment.model}
@@ -225,4 +269,6 @@ def build_plan(
         atn_agents=[a.id for a in deployment.attention_device],
         ffn_agents=agents,
         mailboxes=mailboxes,
+        kv_pools=[KvPoolPlan(device=d, budget_bytes=int(gib * 2**30)) for d, gib in budgets.items()],
+        kv_groups=kv_groups,
     )

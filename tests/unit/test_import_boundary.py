@@ -1,6 +1,6 @@
 """Only crosspool/integrations/<engine>/ may import an engine, and CrossPool's own modules import
-each other in the allowed directions only: the data path (ops, transport, fabric) and the plan
-stand below the integrations and the control plane."""
+each other in the allowed directions only: the data path (ops, transport, fabric), elastic KV's
+channel, backing and policy (kv) and the plan stand below the integrations and the control plane."""
 
 import ast
 from pathlib import Path
@@ -15,6 +15,7 @@ FORBIDDEN = {
     "ops.py": ABOVE_DATA_PATH,
     "transport": ABOVE_DATA_PATH,
     "fabric": ABOVE_DATA_PATH | {"transport"},
+    "kv": ABOVE_DATA_PATH | {"transport", "fabric"},  # channel, backing, policy: engine-neutral, below both ends
     "plan.py": {"integrations", "agents", "daemon", "resolve", "member"},
     "integrations": {"daemon", "agents", "resolve", "front", "qualify", "bench", "cli"},
 }

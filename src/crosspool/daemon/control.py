@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CollectorRegistry, generate_latest
 from pydantic import BaseModel
 
+from crosspool.daemon.kv import KvPools, KvPoolStatus
 from crosspool.daemon.registry import FailureReport, Heartbeat, Refused, Registration, Registry, slot_name
 from crosspool.daemon.supervisor import log
 from crosspool.metrics import DeploymentMetrics
@@ -72,6 +73,8 @@ class ControlState:
         self.metrics = DeploymentMetrics([m.id for m in plan.models])
         self.metrics.generation = plan.generation
         self.changed = threading.Condition(self.lock)
+        self.kv: KvPools | None = None
+        """The current generation's elastic KV pools (None: no attention device has kv_budget_gib)."""
 
     @property
     def plan(self) -> Plan:
@@ -191,6 +194,13 @@ def create_control_app(state: ControlState) -> FastAPI:
     @app.get("/status")
     def status() -> Status:
         return state.status()
+
+    @app.get("/v1/kv")
+    def kv() -> list[KvPoolStatus]:
+        """Elastic KV: per attention device with kv_budget_gib, what each KV Capacity Group backs,
+        uses and needs (empty without elastic KV)."""
+        pools = state.kv
+        return [] if pools is None else pools.status()
 
     @app.get("/metrics", response_class=PlainTextResponse)
     def metrics() -> PlainTextResponse:

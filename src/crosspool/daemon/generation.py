@@ -26,6 +26,7 @@ from crosspool import envs
 from crosspool.config import Deployment
 from crosspool.cpus import place_tree
 from crosspool.daemon.control import ControlState
+from crosspool.daemon.kv import KvBudgetError, KvPools
 from crosspool.daemon.supervisor import Child, Supervisor, log
 from crosspool.fabric.inbox import Inbox
 from crosspool.integrations import launcher
@@ -54,6 +55,9 @@ class Generation:
         self.mailboxes: list[Mailbox] = []  # by MailboxPlan.index, once the AtnAgents created them
         self.inboxes: dict[str, Inbox] = {}  # by FfnAgent, once they registered
         self.engines: dict[str, Child] = {}  # by model
+        # Elastic KV channels exist before the engines start: each engine's scheduler attaches at its start.
+        self.kv = KvPools(plan) if plan.kv_groups else None
+        state.kv = self.kv
 
     def log(self, message: str) -> None:
         log(f"generation {self.plan.generation}: {message}")
@@ -161,6 +165,11 @@ class Generation:
         for model in d.model:
             self._wait_engine(model.id, deadline)
             self._place_engine(model.id)
+        if self.kv is not None:
+            try:
+                self.kv.check_floors()
+            except KvBudgetError as e:
+                raise StartupError(str(e)) from None
 
     def _place_engine(self, model_id: str) -> None:
         """The engine's processes other than its ranks (vLLM's API server and EngineCore, which
@@ -240,6 +249,8 @@ class Generation:
     def supervise(self) -> str | None:
         """Block until a stop request (None) or the first failure (its reason)."""
         while not self.stop.wait(WATCH_S):
+            if self.kv is not None:
+                self.kv.tick()
             reason = self.failure()
             if reason is not None:
                 return reason
@@ -276,5 +287,7 @@ class Generation:
 
     def close(self) -> None:
         self.sup.stop_all(self.deployment.limits.shutdown_grace_s)
+        if self.kv is not None:
+            self.kv.close()
         self.state.metrics.retire()
         shutil.rmtree(self.run_dir, ignore_errors=True)

@@ -68,7 +68,7 @@ def generate_in_child(
             "out": str(out),
         }
         job_file.write_text(json.dumps(job))
-        ranks = rank_cpus(model.attention_tp * model.attention_dp, cpus or host_cpus())
+        ranks = rank_cpus(model.ranks, cpus or host_cpus())
         env = launcher(model.engine).engine_env(model, plan_path, ranks)
         env.update(importlib.import_module(module).offline_env(in_process_engine), TMPDIR=tmp)
         # The engine logs to stdout; callers' stdout may be a JSON report (crosspool qualify).

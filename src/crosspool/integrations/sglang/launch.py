@@ -21,6 +21,7 @@ from crosspool.models.spec import ActivationMath, dtype_bytes
 ENGINE = "sglang"
 VERSION = "0.5.23"
 ARCHITECTURES: tuple[str, ...] | None = FAMILIES
+ELASTIC_KV = False  # not built yet for SGLang (docs/elastic-kv.md)
 
 
 STANDIN = "crosspool-sgl-kernel-standin"
@@ -92,7 +93,7 @@ def engine_env(model: ModelConfig, plan_path: Path | None, rank_cpus: list[list[
     SGLang path does not use; torch would then run as many threads as the process may use CPUs
     (a native scheduler on 2 cores: 2), so the rank's thread count is set (OMP_NUM_THREADS)."""
     env = envs.sharing_cores(os.environ)
-    assert len(rank_cpus) == model.attention_tp * model.attention_dp, rank_cpus
+    assert len(rank_cpus) == model.ranks, rank_cpus
     assert len({len(cpus) for cpus in rank_cpus}) == 1, rank_cpus
     env.update(
         SGLANG_USE_CPU_ENGINE="1",

@@ -16,6 +16,7 @@ from crosspool.models.spec import ActivationMath
 ENGINE = "vllm"
 VERSION = "0.32.0"
 ARCHITECTURES: tuple[str, ...] | None = None  # every family in crosspool.models
+ELASTIC_KV = True
 
 
 def host_problems() -> list[str]:
@@ -52,7 +53,7 @@ def engine_env(model: ModelConfig, plan_path: Path | None, rank_cpus: list[list[
         DO_NOT_TRACK="1",
         PYTHONUNBUFFERED="1",
     )
-    assert len(rank_cpus) == model.attention_tp * model.attention_dp, rank_cpus
+    assert len(rank_cpus) == model.ranks, rank_cpus
     env["VLLM_CPU_OMP_THREADS_BIND"] = threads_bind(rank_cpus)
     env.pop(envs.PLAN, None)
     if plan_path is not None:

@@ -117,3 +117,7 @@ def register() -> None:
     deepseek_v2.DeepseekV2MLP = CrossPoolFfn  # type: ignore[misc,assignment]
     deepseek_v2.DeepseekV2MoE = CrossPoolMoe  # type: ignore[misc,assignment]
     _filter_ffn_weights(spec.ffn_keys)
+    if any(g.model == model.id for g in plan.kv_groups):
+        from crosspool.integrations.vllm import kv
+
+        kv.install(lambda dp_rank: plan.kv_group(model.id, dp_rank))
