@@ -1,4 +1,4 @@
-"""`crosspool <command>`: daemon/serve, status, config check, models prepare/tiny/spec, bench."""
+"""`crosspool <command>`: daemon/serve, status, top, config check, models prepare/tiny/spec, bench, qualify."""
 
 from __future__ import annotations
 
@@ -26,20 +26,26 @@ def cmd_daemon(args: argparse.Namespace) -> int:
     return run_daemon(resolve_file(args.file))
 
 
+def _control_url(args: argparse.Namespace) -> str | None:
+    """The daemon's control API: --url, or the deployment FILE's control port."""
+    from crosspool.config import load_deployment
+
+    if args.url:
+        return str(args.url)
+    if args.file is None:
+        return None
+    d = load_deployment(args.file)
+    return f"http://{d.host}:{d.control}"
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     import httpx
     from rich.console import Console
     from rich.table import Table
 
-    from crosspool.config import load_deployment
-
-    if args.url:
-        url = args.url
-    elif args.file is None:
+    url = _control_url(args)
+    if url is None:
         return _fail("give the deployment FILE or --url")
-    else:
-        d = load_deployment(args.file)
-        url = f"http://{d.host}:{d.control}"
     try:
         status = httpx.get(url + "/status", timeout=5).json()
     except httpx.HTTPError as e:
@@ -64,6 +70,23 @@ def cmd_status(args: argparse.Namespace) -> int:
     for name, m in status["models"].items():
         models.add_row(name, m["state"], m["engine"], ", ".join(m["ffn_agents"]), m["url"])
     console.print(models)
+    return 0
+
+
+def cmd_top(args: argparse.Namespace) -> int:
+    import httpx
+
+    from crosspool import top
+
+    url = _control_url(args)
+    if url is None:
+        return _fail("give the deployment FILE or --url")
+    try:
+        top.run(url, args.interval, args.once)
+    except httpx.HTTPError as e:
+        return _fail(f"no CrossPool daemon answers at {url}: {e}", 1)
+    except KeyboardInterrupt:
+        pass
     return 0
 
 
@@ -165,6 +188,13 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--url", help="the daemon's control API, e.g. http://127.0.0.1:8001")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_status)
+
+    s = sub.add_parser("top", help="live view of elastic KV: bytes backed, used and needed per Instance")
+    s.add_argument("file", type=Path, nargs="?", help="the deployment file (finds the control port)")
+    s.add_argument("--url", help="the daemon's control API, e.g. http://127.0.0.1:8001")
+    s.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default 1)")
+    s.add_argument("--once", action="store_true", help="print one view and exit")
+    s.set_defaults(func=cmd_top)
 
     c = sub.add_parser("config", help="deployment files").add_subparsers(dest="config_command", required=True)
     s = c.add_parser("check", help="validate a deployment file and print it resolved")
