@@ -110,8 +110,12 @@ def test_bench_subcommands_and_their_options():
     assert r.returncode == 0 and "--round-trips" in r.stdout and "--engine" in r.stdout, r.stderr
     r = _cli("bench", "executor", "--help")
     assert r.returncode == 0 and "--threads" in r.stdout, r.stderr
+    r = _cli("bench", "serve", "--help")
+    assert r.returncode == 0 and "--trace" in r.stdout and "lognormal" in r.stdout, r.stderr
+    r = _cli("bench", "elastic-kv", "--help")
+    assert r.returncode == 0 and "--budget-gib" in r.stdout, r.stderr
     r = _cli("bench")
-    assert r.returncode == 2 and "overhead" in r.stderr and "executor" in r.stderr
+    assert r.returncode == 2 and all(b in r.stderr for b in ("overhead", "executor", "serve", "elastic-kv"))
     r = _cli("bench", "overhead")  # the report file is required
     assert r.returncode == 2 and "--out" in r.stderr
 
@@ -197,3 +201,23 @@ def test_model_path_expands_the_cache_root_and_the_environment(tiny_models, monk
     assert parse_deployment(_toml("${CROSSPOOL_CACHE}/tiny/tiny-qwen3")).model[0].path == checkpoint.resolve()
     monkeypatch.setenv("CHECKPOINT", str(checkpoint))
     assert parse_deployment(_toml("$CHECKPOINT")).model[0].path == checkpoint.resolve()
+
+
+def test_elastic_kv_plan_and_refusals(tiny_models):
+    from crosspool.resolve import resolve
+
+    device = '[[attention_device]]\nid = "atn0"\nkv_budget_gib = 3'
+    d = parse_deployment(_toml(tiny_models["llama"], device, "attention_tp = 2\nkv_cache_gib = 2\nkv_floor_gib = 0.5"))
+    plan = resolve(d).plan()
+    assert [p.budget_bytes for p in plan.kv_pools] == [3 * 2**30]
+    (group,) = plan.kv_groups  # one DP rank: one group over both TP ranks
+    assert (group.floor_bytes, group.ceiling_bytes) == (2**30, 4 * 2**30) and group.name.startswith(plan.shm_prefix)
+    assert plan.kv_group("m", 0) == group and plan.kv_group("m", 1) is None
+    with pytest.raises(ConfigError, match=r"kv_budget_gib: less than its models' floors \(kv_floor_gib x ranks = 4\)"):
+        parse_deployment(_toml(tiny_models["llama"], device, "attention_tp = 2\nkv_cache_gib = 2\nkv_floor_gib = 2"))
+    with pytest.raises(ConfigError, match=r"model\[0\]: kv_floor_gib: more than kv_cache_gib \(1\) \(got 1.5\)"):
+        parse_deployment(_toml(tiny_models["llama"], device, "kv_floor_gib = 1.5"))
+    sglang = parse_deployment(_toml(tiny_models["llama"], device).replace('engine = "vllm"', 'engine = "sglang"'))
+    with pytest.raises(ConfigError, match=r"model\[0\].engine: elastic KV .* is not built for sglang yet"):
+        resolve(sglang)
+    assert resolve(parse_deployment(_toml(tiny_models["llama"]))).plan().kv_groups == []

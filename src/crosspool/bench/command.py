@@ -14,6 +14,8 @@ BENCHES = {
         "native engine vs CrossPool serving throughput, per-step breakdown, round trip",
     ),
     "executor": ("crosspool.bench.executor", "one FFN layer through the pool vs the same MLP in process"),
+    "serve": ("crosspool.bench.serve", "load runner: Poisson or trace arrivals, CrossPool and the native engines"),
+    "elastic-kv": ("crosspool.bench.elastic_kv", "two models, out-of-phase bursts: fixed KV split vs elastic KV"),
 }
 
 

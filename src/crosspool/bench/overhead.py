@@ -139,23 +139,26 @@ class Side:
 
 
 @contextlib.contextmanager
-def native_server(model: ModelConfig, rank_cpus: list[list[int]], log: TextIO) -> Iterator[Side]:
+def native_server(
+    model: ModelConfig, rank_cpus: list[list[int]], log: TextIO, name: str = "native", env: dict[str, str] | None = None
+) -> Iterator[Side]:
     """The engine's own OpenAI server with its own defaults on this host's CPUs; its ranks bound as
     CrossPool binds its Instance's (the same binding variables: for vLLM what its "auto" binding
-    picks on one NUMA node; SGLang applies them only with its AMX kernels)."""
+    picks on one NUMA node; SGLang applies them only with its AMX kernels). `env` overrides its
+    environment."""
     engine = launcher(model.engine)
     port = bind_port(HOST)
     sup = Supervisor("crosspool-bench-native-", EngineFiles.now())  # owns no segments; sweeps the engine's leftovers
     try:
         child = sup.start(
-            "native",
+            name,
             engine.server_command(model, MAX_BATCHED, HOST, port),
-            engine.engine_env(model, None, rank_cpus),
+            {**engine.engine_env(model, None, rank_cpus), **(env or {})},
             stop_order=0,
             cpus=host_cpus(),
             sink=log,
         )
-        yield Side("native", f"http://{HOST}:{port}", child.proc.pid)
+        yield Side(name, f"http://{HOST}:{port}", child.proc.pid)
     finally:
         sup.stop_all(30.0)
 
@@ -186,8 +189,8 @@ def crosspool_daemon(name: str, text: str, run_dir: Path, log: TextIO) -> Iterat
 
 
 @contextlib.contextmanager
-def alone(sides: list[Side]) -> Iterator[Callable[[Side], None]]:
-    """`only(side)` lets that side's engine run and stops (SIGSTOP) the others' engines: an idle
+def alone(sides: list[Side]) -> Iterator[Callable[..., None]]:
+    """`only(*active)` lets those sides' engines run and stops (SIGSTOP) the others' engines: an idle
     engine is not idle (SGLang's scheduler polls at 100% of its CPU, vLLM's worker for 1 s after its
     last step). Everything runs again when the block ends."""
 
@@ -196,10 +199,11 @@ def alone(sides: list[Side]) -> Iterator[Callable[[Side], None]]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig)
 
-    def only(side: Side) -> None:
-        signal_engine(side, signal.SIGCONT)
+    def only(*active: Side) -> None:
+        for side in active:
+            signal_engine(side, signal.SIGCONT)
         for other in sides:
-            if other is not side:
+            if other not in active:
                 signal_engine(other, signal.SIGSTOP)
 
     try:

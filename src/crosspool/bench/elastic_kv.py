@@ -1,0 +1,171 @@
+"""`crosspool bench elastic-kv`: two models on one attention device, bursty out-of-phase load, a
+KV budget an even fixed split cannot serve a burst with.
+
+    crosspool bench elastic-kv [--budget-gib G] [--phase-s S] [--rate R] --out FILE
+
+Models a and b (SmolLM2-135M through vLLM) share `--budget-gib`. The load has three phases of
+`--phase-s` seconds: a busy while b idles, then b busy, then a again (Poisson arrivals at
+`--rate` per second to the busy model, long prompts, short answers: the KV, not the CPU, is what
+a burst runs out of). The same arrivals go to the native engines with the budget split evenly
+and to CrossPool with elastic KV (`crosspool bench serve`, one run). `summary`:
+slo_attainment_fixed / _elastic / _ratio, donor_rss_drop_fraction (worker RSS given back over
+the bytes the donors released) and the largest transfer seen (MiB, and seconds from the target
+drop to the release, at the sampling resolution).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import random
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+from crosspool import host
+from crosspool.bench import serve
+from crosspool.ipc import bind_port
+from crosspool.qualify.serving import prompts
+
+MIB = 2**20
+
+
+def deployment_text(model: Path, budget_gib: float, port: int, control_port: int, ttft_slo_s: float) -> str:
+    one = f'''path = "{model}"
+engine = "vllm"
+enforce_eager = true
+max_model_len = 1024
+max_num_seqs = 16
+kv_cache_gib = 1
+ttft_slo_s = {ttft_slo_s}
+tbt_slo_s = 2.0
+'''
+    return f"""name = "elastic-kv"
+port = {port}
+control_port = {control_port}
+[[attention_device]]
+id = "atn0"
+kv_budget_gib = {budget_gib}
+[[model]]
+id = "a"
+{one}
+[[model]]
+id = "b"
+{one}"""
+
+
+def out_of_phase(phase_s: float, rate: float, prompt_len: int, output_len: int, seed: int) -> list[serve.Arrival]:
+    rng = random.Random(seed)
+    arrivals: list[serve.Arrival] = []
+    for phase, model in enumerate("aba"):
+        t = phase * phase_s
+        while True:
+            t += rng.expovariate(rate)
+            if t >= (phase + 1) * phase_s:
+                break
+            tokens = prompts(serve.VOCAB, 1, seed=seed * 1_000_003 + len(arrivals), length=prompt_len)[0]
+            arrivals.append(serve.Arrival(t, model, tokens, output_len))
+    return arrivals
+
+
+def donor_rss_drop(samples: list[dict]) -> dict[str, float]:
+    """Over the CrossPool run: bytes the groups released (madvise) and the RSS their workers gave
+    back meanwhile (sum of drops between samples), per model and in all."""
+    released: dict[str, int] = {}
+    dropped: dict[str, int] = {}
+    for before, after in itertools.pairwise(samples):
+        for pool_before, pool_after in zip(before.get("kv", []), after.get("kv", []), strict=False):
+            for g0, g1 in zip(pool_before["groups"], pool_after["groups"], strict=True):
+                gave = g1["released_bytes"] - g0["released_bytes"]
+                if gave > 0:
+                    released[g1["model"]] = released.get(g1["model"], 0) + gave
+                    rss_drop = before["rss"].get(g1["model"], 0) - after["rss"].get(g1["model"], 0)
+                    dropped[g1["model"]] = dropped.get(g1["model"], 0) + max(rss_drop, 0)
+    total = sum(released.values())
+    return {
+        "released_mib": round(total / MIB, 1),
+        "rss_dropped_mib": round(sum(dropped.values()) / MIB, 1),
+        "fraction": round(sum(dropped.values()) / total, 3) if total else 0.0,
+    }
+
+
+def transfers(samples: list[dict]) -> list[dict]:
+    """Each shrink seen: its group, MiB released, and seconds from the first sample that showed
+    the lower target to the first that showed it reached."""
+    seen, open_at = [], {}
+    for s in samples:
+        for pool in s.get("kv", []):
+            for g in pool["groups"]:
+                key = g["model"]
+                shrinking = g["target_bytes"] is not None and g["backed_bytes"] > g["target_bytes"]
+                if shrinking and key not in open_at:
+                    open_at[key] = (s["t"], g["released_bytes"])
+                elif not shrinking and key in open_at:
+                    t0, released0 = open_at.pop(key)
+                    seen.append(
+                        {
+                            "model": key,
+                            "mib": round((g["released_bytes"] - released0) / MIB, 1),
+                            "seconds_at_most": round(s["t"] - t0 + serve.SAMPLE_S, 2),
+                        }
+                    )
+    return seen
+
+
+def main(argv: list[str] | None = None) -> int:
+    from crosspool.models.prepare import prepare_smollm2
+
+    p = argparse.ArgumentParser(
+        prog="crosspool bench elastic-kv", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--model", type=Path, default=None, help="checkpoint dir (default: SmolLM2-135M)")
+    p.add_argument("--budget-gib", type=float, default=0.5)
+    p.add_argument("--phase-s", type=float, default=40.0)
+    p.add_argument("--rate", type=float, default=1.5, help="arrivals per second to the busy model")
+    p.add_argument("--prompt-len", type=int, default=700)
+    p.add_argument("--output-len", type=int, default=16)
+    p.add_argument("--ttft-slo-s", type=float, default=5.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--out", type=Path, required=True, help="the JSON report (report .md, plots and engine log next to it)"
+    )
+    args = p.parse_args(argv)
+    model = (args.model or prepare_smollm2()).resolve()
+    text = deployment_text(model, args.budget_gib, bind_port("127.0.0.1"), bind_port("127.0.0.1"), args.ttft_slo_s)
+    arrivals = out_of_phase(args.phase_s, args.rate, args.prompt_len, args.output_len, args.seed)
+    sides, outcomes, samples, _ = serve.run(text, arrivals, 2, args.out.with_suffix(".log"))
+    fixed, elastic = sides["native"]["slo_attainment"], sides["crosspool"]["slo_attainment"]
+    rss = donor_rss_drop(samples["crosspool"])
+    moved = transfers(samples["crosspool"])
+    largest = max(moved, key=lambda m: m["mib"], default=None)
+    result = {
+        "bench": "elastic-kv",
+        "host": host.describe(),
+        "argv": sys.argv[1:] if argv is None else argv,
+        "deployment": text,
+        "arrivals": len(arrivals),
+        "summary": {
+            "slo_attainment_fixed": fixed,
+            "slo_attainment_elastic": elastic,
+            "slo_attainment_ratio": round(elastic / fixed, 3) if fixed else None,
+            "donor_rss_drop_fraction": rss["fraction"],
+            "largest_transfer_mib": largest["mib"] if largest else 0.0,
+            "largest_transfer_s_at_most": largest["seconds_at_most"] if largest else None,
+            "ttft_p90_ms_fixed": sides["native"]["ttft_ms"]["p90"],
+            "ttft_p90_ms_elastic": sides["crosspool"]["ttft_ms"]["p90"],
+        },
+        "donor_rss": rss,
+        "transfers": moved,
+        "sides": sides,
+        "outcomes": {side: [asdict(o) for o in rows] for side, rows in outcomes.items()},
+        "samples": samples,
+    }
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    serve.write_report(args.out, result, outcomes, samples)
+    print(json.dumps(result["summary"], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
