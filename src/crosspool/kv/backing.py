@@ -13,6 +13,7 @@ from pathlib import Path
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+_libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p)
 MADV_DONTNEED = 4
 PAGE = mmap.PAGESIZE
 
@@ -28,8 +29,15 @@ def block_runs(block_ids: Iterable[int]) -> list[tuple[int, int]]:
     return runs
 
 
+def _check(rc: int, call: str, start: int, length: int) -> None:
+    if rc != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{call} of {length} bytes at {start:#x}: {os.strerror(err)}")
+
+
 def release(ranges: Iterable[tuple[int, int]]) -> int:
-    """Give the whole pages inside each (address, length) back to the OS; the bytes released.
+    """Give the whole pages inside each (address, length) back to the OS; the bytes released:
+    those that were resident (a block admitted but never written has no pages to give back).
     Pages shared with a neighbouring range stay (an admitted block may live there)."""
     released = 0
     for addr, length in ranges:
@@ -37,10 +45,10 @@ def release(ranges: Iterable[tuple[int, int]]) -> int:
         end = (addr + length) // PAGE * PAGE
         if end <= start:
             continue
-        if _libc.madvise(start, end - start, MADV_DONTNEED) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"madvise(MADV_DONTNEED) of {end - start} bytes at {start:#x}: {os.strerror(err)}")
-        released += end - start
+        resident = ctypes.create_string_buffer((end - start) // PAGE)
+        _check(_libc.mincore(start, end - start, resident), "mincore", start, end - start)
+        _check(_libc.madvise(start, end - start, MADV_DONTNEED), "madvise(MADV_DONTNEED)", start, end - start)
+        released += (len(resident.raw) - resident.raw.count(0)) * PAGE  # mincore: 1 per resident page
     return released
 
 

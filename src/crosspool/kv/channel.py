@@ -43,7 +43,7 @@ class GroupReport:
     running: int
     waiting: int
     released_bytes: int
-    """Bytes given back to the OS so far (madvise), over all ranks."""
+    """Resident bytes given back to the OS so far (madvise), over all ranks."""
     deadline: float
     """Earliest deadline (unix time) of its blocked work; 0: nothing blocked."""
     published: float = 0.0
@@ -79,11 +79,6 @@ class KvChannel:
     @property
     def target(self) -> int:
         return self.ints[_TARGET]
-
-    @property
-    def settled(self) -> bool:
-        """The engine has applied the last command."""
-        return self.ints[_APPLIED_SEQ] == self.ints[_COMMAND_SEQ]
 
     def report(self) -> GroupReport | None:
         """The engine's last report; None before it attached."""

@@ -117,7 +117,6 @@ class ElasticBlocks:
             taken.append(block_id)
         if taken:
             released = self.core.collective_rpc(release_blocks, timeout=RPC_TIMEOUT_S, args=(block_runs(taken),))
-            assert len(set(released)) == 1, f"the TP ranks released different byte counts: {released}"
             self.released_bytes += sum(released)
         return self.total - len(self.withdrawn) == target
 
