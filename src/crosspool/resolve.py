@@ -79,14 +79,8 @@ def resolve(deployment: Deployment, source: str = "<deployment>") -> Resolved:
     listing every problem found."""
     host = host_cpus()
     problems = cpu_problems(deployment, host)
-    elastic = {a.id for a in deployment.attention_device if a.kv_budget_gib is not None}
     for i, m in enumerate(deployment.model):
         problems += [f"model[{i}].{p}" for p in launcher(m.engine).model_problems(m)]
-        if deployment.attention_of(m) in elastic and not launcher(m.engine).ELASTIC_KV:
-            problems.append(
-                f"model[{i}].engine: elastic KV (attention_device {deployment.attention_of(m)!r} has kv_budget_gib) "
-                f"is not built for {m.engine} yet; give its models a device without kv_budget_gib (got {m.engine!r})"
-            )
     if problems:
         raise ConfigError(source, problems)
     specs = resolve_specs(deployment, source)

@@ -217,7 +217,7 @@ def test_elastic_kv_plan_and_refusals(tiny_models):
         parse_deployment(_toml(tiny_models["llama"], device, "attention_tp = 2\nkv_cache_gib = 2\nkv_floor_gib = 2"))
     with pytest.raises(ConfigError, match=r"model\[0\]: kv_floor_gib: more than kv_cache_gib \(1\) \(got 1.5\)"):
         parse_deployment(_toml(tiny_models["llama"], device, "kv_floor_gib = 1.5"))
-    sglang = parse_deployment(_toml(tiny_models["llama"], device).replace('engine = "vllm"', 'engine = "sglang"'))
-    with pytest.raises(ConfigError, match=r"model\[0\].engine: elastic KV .* is not built for sglang yet"):
-        resolve(sglang)
+    sglang = _toml(tiny_models["llama"], device, "engine_args = { page_size = 16 }")
+    with pytest.raises(ConfigError, match=r"model\[0\].engine_args.page_size: .*single token slots"):
+        resolve(parse_deployment(sglang.replace('engine = "vllm"', 'engine = "sglang"')))
     assert resolve(parse_deployment(_toml(tiny_models["llama"]))).plan().kv_groups == []

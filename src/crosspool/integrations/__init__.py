@@ -20,8 +20,6 @@ class EngineLauncher(Protocol):
     VERSION: str
     ARCHITECTURES: tuple[str, ...] | None
     """The architectures CrossPool serves through this engine; None: every family in crosspool.models."""
-    ELASTIC_KV: bool
-    """Whether its Instances take part in elastic KV (attention_device.kv_budget_gib)."""
 
     def host_problems(self) -> list[str]:
         """Why the engine's CPU path on this host is not one the FFN pool reproduces (empty: it is)."""

@@ -21,7 +21,6 @@ from crosspool.models.spec import ActivationMath, dtype_bytes
 ENGINE = "sglang"
 VERSION = "0.5.23"
 ARCHITECTURES: tuple[str, ...] | None = FAMILIES
-ELASTIC_KV = False  # not built yet for SGLang (docs/elastic-kv.md)
 
 
 STANDIN = "crosspool-sgl-kernel-standin"

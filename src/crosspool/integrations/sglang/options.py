@@ -40,6 +40,7 @@ UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "enable_eplb": (False, "expert parallelism belongs to the FFN pool, not the engine"),
     "disaggregation_mode": ("null", "prefill/decode disaggregation is not supported"),
     "enable_pdmux": (False, "prefill/decode multiplexing is not supported"),
+    "page_size": (1, "elastic KV withdraws and releases single token slots (SGLang's CPU page size)"),
     "enable_hierarchical_cache": (False, "the hierarchical KV cache is not qualified with elastic KV"),
     "enable_lmcache": (False, "external KV caches are not supported"),
     "enable_mixed_chunk": (False, "mixed chunked prefill is not qualified with the FFN pool"),

@@ -71,6 +71,11 @@ def _attach() -> int:
     dp_rank = get_parallel().dp_rank or 0  # None without a DP controller
     rank = dp_rank * model.attention_tp + tp_rank
     attach_rank(plan, model.id, rank)
+    group = plan.kv_group(model.id, dp_rank)
+    if group is not None:  # the scheduler is being built; its loop starts after
+        from crosspool.integrations.sglang import kv
+
+        kv.install(group)
     return tp_rank
 
 

@@ -16,7 +16,6 @@ from crosspool.models.spec import ActivationMath
 ENGINE = "vllm"
 VERSION = "0.32.0"
 ARCHITECTURES: tuple[str, ...] | None = None  # every family in crosspool.models
-ELASTIC_KV = True
 
 
 def host_problems() -> list[str]:
