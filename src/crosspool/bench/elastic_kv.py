@@ -1,9 +1,9 @@
 """`crosspool bench elastic-kv`: two models on one attention device, bursty out-of-phase load, a
 KV budget an even fixed split cannot serve a burst with.
 
-    crosspool bench elastic-kv [--budget-gib G] [--phase-s S] [--rate R] --out FILE
+    crosspool bench elastic-kv [--engine vllm|sglang] [--budget-gib G] [--phase-s S] [--rate R] --out FILE
 
-Models a and b (SmolLM2-135M through vLLM) share `--budget-gib`. The load has three phases of
+Models a and b (SmolLM2-135M, both through one engine) share `--budget-gib`. The load has three phases of
 `--phase-s` seconds: a busy while b idles, then b busy, then a again (Poisson arrivals at
 `--rate` per second to the busy model, long prompts, short answers: the KV, not the CPU, is what
 a burst runs out of). The same arrivals go to the native engines with the budget split evenly
@@ -31,10 +31,12 @@ from crosspool.qualify.serving import prompts
 MIB = 2**20
 
 
-def deployment_text(model: Path, budget_gib: float, port: int, control_port: int, ttft_slo_s: float) -> str:
+def deployment_text(
+    model: Path, engine: str, budget_gib: float, port: int, control_port: int, ttft_slo_s: float
+) -> str:
     one = f'''path = "{model}"
-engine = "vllm"
-enforce_eager = true
+engine = "{engine}"
+{"enforce_eager = true" if engine == "vllm" else ""}
 max_model_len = 1024
 max_num_seqs = 16
 kv_cache_gib = 1
@@ -113,6 +115,38 @@ def transfers(samples: list[dict]) -> list[dict]:
     return seen
 
 
+def demand_trace(samples: list[dict]) -> dict:
+    """The CrossPool run's demand as the arbiter saw it, for replaying the policy in unit tests:
+    per sample (every SAMPLE_S) and group, the blocks demanded, seconds to the deadline and the
+    blocks held by requests."""
+    attached = [s["kv"][0] for s in samples if s.get("kv") and all(g["attached"] for g in s["kv"][0]["groups"])]
+    assert attached, "no sample with every group attached"
+    first = attached[0]
+    return {
+        "sample_s": serve.SAMPLE_S,
+        "budget_bytes": first["budget_bytes"],
+        "groups": {
+            g["model"]: {
+                "block_bytes": g["block_bytes"],
+                "floor_blocks": g["floor_bytes"] // g["block_bytes"],
+                "ceiling_blocks": g["ceiling_bytes"] // g["block_bytes"],
+            }
+            for g in first["groups"]
+        },
+        "ticks": [
+            {
+                g["model"]: [
+                    g["demand_bytes"] // g["block_bytes"],
+                    g["deadline_in_s"],
+                    g["used_bytes"] // g["block_bytes"],
+                ]
+                for g in pool["groups"]
+            }
+            for pool in attached
+        ],
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     from crosspool.models.prepare import prepare_smollm2
 
@@ -120,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="crosspool bench elastic-kv", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--model", type=Path, default=None, help="checkpoint dir (default: SmolLM2-135M)")
+    p.add_argument("--engine", choices=("vllm", "sglang"), default="vllm")
     p.add_argument("--budget-gib", type=float, default=0.5)
     p.add_argument("--phase-s", type=float, default=40.0)
     p.add_argument("--rate", type=float, default=1.5, help="arrivals per second to the busy model")
@@ -132,7 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
     model = (args.model or prepare_smollm2()).resolve()
-    text = deployment_text(model, args.budget_gib, bind_port("127.0.0.1"), bind_port("127.0.0.1"), args.ttft_slo_s)
+    text = deployment_text(
+        model, args.engine, args.budget_gib, bind_port("127.0.0.1"), bind_port("127.0.0.1"), args.ttft_slo_s
+    )
     arrivals = out_of_phase(args.phase_s, args.rate, args.prompt_len, args.output_len, args.seed)
     sides, outcomes, samples, _ = serve.run(text, arrivals, 2, args.out.with_suffix(".log"))
     fixed, elastic = sides["native"]["slo_attainment"], sides["crosspool"]["slo_attainment"]
@@ -157,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "donor_rss": rss,
         "transfers": moved,
+        "demand_trace": demand_trace(samples["crosspool"]),
         "sides": sides,
         "outcomes": {side: [asdict(o) for o in rows] for side, rows in outcomes.items()},
         "samples": samples,

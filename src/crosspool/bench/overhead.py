@@ -140,12 +140,16 @@ class Side:
 
 @contextlib.contextmanager
 def native_server(
-    model: ModelConfig, rank_cpus: list[list[int]], log: TextIO, name: str = "native", env: dict[str, str] | None = None
+    model: ModelConfig,
+    rank_cpus: list[list[int]],
+    log: TextIO,
+    name: str = "native",
+    env: dict[str, str | None] | None = None,
 ) -> Iterator[Side]:
     """The engine's own OpenAI server with its own defaults on this host's CPUs; its ranks bound as
     CrossPool binds its Instance's (the same binding variables: for vLLM what its "auto" binding
     picks on one NUMA node; SGLang applies them only with its AMX kernels). `env` overrides its
-    environment."""
+    environment (None: unset)."""
     engine = launcher(model.engine)
     port = bind_port(HOST)
     sup = Supervisor("crosspool-bench-native-", EngineFiles.now())  # owns no segments; sweeps the engine's leftovers
@@ -153,7 +157,7 @@ def native_server(
         child = sup.start(
             name,
             engine.server_command(model, MAX_BATCHED, HOST, port),
-            {**engine.engine_env(model, None, rank_cpus), **(env or {})},
+            {k: v for k, v in {**engine.engine_env(model, None, rank_cpus), **(env or {})}.items() if v is not None},
             stop_order=0,
             cpus=host_cpus(),
             sink=log,

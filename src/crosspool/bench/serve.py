@@ -246,7 +246,7 @@ def _workers(side: Side, control: str | None, models: list[str]) -> dict[str, li
     return {models[0]: [pid for pid, role in side.processes().items() if role in ("Worker", "scheduler")]}
 
 
-def native_env(d: Deployment, model_id: str) -> tuple[dict, dict[str, str]]:
+def native_env(d: Deployment, model_id: str) -> tuple[dict, dict[str, str | None]]:
     """Engine-argument and environment overrides of a native engine: the model's share of its
     device's kv_budget_gib, split evenly, where the device has one."""
     model = next(m for m in d.model if m.id == model_id)
@@ -255,9 +255,12 @@ def native_env(d: Deployment, model_id: str) -> tuple[dict, dict[str, str]]:
         return {}, {}
     sharing = [m for m in d.model if d.attention_of(m) == device.id]
     per_rank = int(device.kv_budget_gib * 2**30 / sum(m.ranks for m in sharing))
-    if model.engine == "vllm":  # an explicit byte size; the GiB variable would win over it
-        return {"kv_cache_memory_bytes": per_rank}, {"VLLM_CPU_KVCACHE_SPACE": ""}
-    raise NotImplementedError("a fixed KV split for native SGLang")  # resolve() refuses SGLang with a budget
+    if model.engine == "vllm":
+        # An explicit byte size; the GiB variable would win over it, and vLLM parses "" as an int: unset.
+        return {"kv_cache_memory_bytes": per_rank}, {"VLLM_CPU_KVCACHE_SPACE": None}
+    from crosspool.integrations.sglang.launch import kv_cache_tokens
+
+    return {"max_total_tokens": kv_cache_tokens(model.model_copy(update={"kv_cache_gib": per_rank / 2**30}))}, {}
 
 
 def run(
@@ -394,11 +397,11 @@ def write_report(out: Path, result: dict, outcomes: dict[str, list[Outcome]], sa
             f"| {side} | {s['requests']} | {s['failed']} | {s['output_tok_s']} | {s['slo_attainment']} | "
             f"{t['p50']}/{t['p90']}/{t['p99']} | {p['p50']}/{p['p90']}/{p['p99']} |"
         )
-    name = stem.name
+    name, host = stem.name, result["host"]
     text: list[str] = [
         f"# {result['bench']} {time.strftime('%Y-%m-%d')}",
         "",
-        f"Host: {result['host'].get('cpu_model', '')}; flags recorded in {out.name}.",
+        f"Host: {host['cpu']}, {host['cores']} cores, flags {' '.join(host['cpu_flags'])}.",
         "",
         "```",
         json.dumps(result["summary"], indent=1),
