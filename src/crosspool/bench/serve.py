@@ -33,6 +33,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 from tqdm import tqdm
@@ -333,6 +334,17 @@ async def _gather_sides(urls: dict[str, str], arrivals: list[Arrival], progress:
     return [o for part in parts for o in part]
 
 
+def _save(plt: Any, fig: Any, path: str) -> None:
+    """Grid and legend (where something is plotted) on every axis, then the PNG."""
+    for ax in fig.axes:
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def write_report(out: Path, result: dict, outcomes: dict[str, list[Outcome]], samples: dict[str, list[dict]]) -> None:
     """OUT.md with plots OUT-latency.png, OUT-kv.png, OUT-rss.png."""
     import matplotlib
@@ -349,11 +361,7 @@ def write_report(out: Path, result: dict, outcomes: dict[str, list[Outcome]], sa
                 ax.plot(values, [(i + 1) / len(values) for i in range(len(values))], label=side)
             ax.set_xlabel(f"{metric.upper()} (s)")
             ax.set_ylabel("fraction of requests")
-            ax.grid(alpha=0.3)
-            ax.legend()
-    fig.tight_layout()
-    fig.savefig(f"{stem}-latency.png", dpi=100)
-    plt.close(fig)
+    _save(plt, fig, f"{stem}-latency.png")
 
     fig, ax = plt.subplots(figsize=(11, 4))
     for s in samples.get("crosspool", []):
@@ -368,12 +376,7 @@ def write_report(out: Path, result: dict, outcomes: dict[str, list[Outcome]], sa
         ax.plot(*zip(*points, strict=True), label=f"{model} backed")
     ax.set_xlabel("s")
     ax.set_ylabel("KV MiB backed (CrossPool)")
-    ax.grid(alpha=0.3)
-    if models:
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(f"{stem}-kv.png", dpi=100)
-    plt.close(fig)
+    _save(plt, fig, f"{stem}-kv.png")
 
     fig, ax = plt.subplots(figsize=(11, 4))
     for side, taken in samples.items():
@@ -381,11 +384,7 @@ def write_report(out: Path, result: dict, outcomes: dict[str, list[Outcome]], sa
             ax.plot([s["t"] for s in taken], [s["rss"].get(model, 0) / 2**20 for s in taken], label=f"{side} {model}")
     ax.set_xlabel("s")
     ax.set_ylabel("worker RSS MiB")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(f"{stem}-rss.png", dpi=100)
-    plt.close(fig)
+    _save(plt, fig, f"{stem}-rss.png")
 
     rows: list[str] = [
         "| side | requests | failed | output tok/s | SLO attainment | TTFT p50/p90/p99 ms | TPOT p50/p90/p99 ms |"
