@@ -219,7 +219,11 @@ def parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_models_spec)
 
     # Dispatched in main() before parsing, so every option reaches the benchmark's own parser.
-    sub.add_parser("bench", help="benchmarks: overhead, executor (`crosspool bench --help`)", add_help=False)
+    sub.add_parser(
+        "bench",
+        help="benchmarks: overhead, executor, serve, elastic-kv, kv-transfer (`crosspool bench --help`)",
+        add_help=False,
+    )
     sub.add_parser(
         "qualify", help="FFN numerics and structure against references (`crosspool qualify --help`)", add_help=False
     )

@@ -31,10 +31,12 @@ def render(pools: list[dict], url: str) -> Group:
     if not pools:
         parts.append(Text("no elastic KV: no attention device has kv_budget_gib"))
     for pool in pools:
+        last = pool["recent_transfers"][-1:]
         parts.append(
             Text(
                 f"{pool['device']}: budget {_mib(pool['budget_bytes'])} MiB, unassigned "
                 f"{_mib(pool['unassigned_bytes'])} MiB, transfers in flight {pool['transfers_in_flight']}"
+                + "".join(f", last: {t['model']} gave {_mib(t['bytes'])} MiB in {t['seconds']:.2f} s" for t in last)
             )
         )
         table = Table(

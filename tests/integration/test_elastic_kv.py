@@ -164,6 +164,8 @@ def _donates(d, donor: str, borrower: str, seed: int, before: dict) -> dict:
     dropped = rss - rss_bytes(_worker_pid(d, donor))
     assert dropped >= 0.8 * given, f"{donor}: RSS dropped {dropped / MIB:.0f} MiB of {given / MIB:.0f} MiB released"
     pool = after["pool"]
+    last = [t for t in pool["recent_transfers"] if t["model"] == donor][-1]  # the daemon's record of it
+    assert last["complete"] and last["bytes"] >= given and last["seconds"] > 0, last
     backed = sum(after[m]["backed_bytes"] for m in "ab")
     assert backed <= pool["budget_bytes"] and pool["unassigned_bytes"] == pool["budget_bytes"] - backed
     return after

@@ -46,17 +46,23 @@ def test_slo_attainment_counts_ttft_and_tpot(tiny_models):
     assert s["per_model"]["m"]["requests"] == 4 and s["errors"] == ["HTTP 503"]
 
 
-def _sample(t: float, backed: int, target: int, released: int, rss: int) -> dict:
+def _sample(t: float, backed: int, target: int, released: int, rss: int, recent: list[dict]) -> dict:
     group = {"model": "a", "backed_bytes": backed * MIB, "target_bytes": target * MIB, "released_bytes": released * MIB}
-    return {"t": t, "rss": {"a": rss * MIB}, "kv": [{"groups": [group]}]}
+    return {"t": t, "rss": {"a": rss * MIB}, "kv": [{"groups": [group], "recent_transfers": recent}]}
 
 
 def test_donor_rss_drop_and_transfers_from_samples():
+    first = {"model": "a", "dp_rank": 0, "started": 100.25, "bytes": 256 * MIB, "seconds": 0.03, "complete": True}
+    second = first | {"started": 100.8, "bytes": 10 * MIB, "seconds": 2.1, "complete": False}
     samples = [
-        _sample(0.0, 300, 300, 0, 1000),
-        _sample(0.25, 300, 44, 0, 1000),  # asked to shrink
-        _sample(0.5, 44, 44, 256, 760),  # released 256 MiB, RSS down 240
-        _sample(0.75, 100, 100, 256, 800),  # grew again: RSS up, nothing released
+        _sample(0.0, 300, 300, 0, 1000, []),
+        _sample(0.25, 300, 44, 0, 1000, []),  # asked to shrink
+        _sample(0.5, 44, 44, 256, 760, [first]),  # released 256 MiB, RSS down 240
+        _sample(0.75, 100, 100, 256, 800, [first]),  # grew again: RSS up, nothing released
+        _sample(1.0, 100, 100, 256, 800, [first, second]),
     ]
     assert donor_rss_drop(samples) == {"released_mib": 256.0, "rss_dropped_mib": 240.0, "fraction": 0.938}
-    assert transfers(samples) == [{"model": "a", "mib": 256.0, "seconds_at_most": 0.5}]
+    assert transfers(samples) == [
+        {"model": "a", "mib": 256.0, "seconds": 0.03, "complete": True},
+        {"model": "a", "mib": 10.0, "seconds": 2.1, "complete": False},
+    ]

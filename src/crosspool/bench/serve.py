@@ -239,7 +239,7 @@ def summarize(outcomes: list[Outcome], d: Deployment, seconds: float) -> dict:
     }
 
 
-def _workers(side: Side, control: str | None, models: list[str]) -> dict[str, list[int]]:
+def worker_pids(side: Side, control: str | None, models: list[str]) -> dict[str, list[int]]:
     """Each model's worker (rank) processes."""
     if control is not None:
         members = httpx.get(control + "/status", timeout=5).json()["members"]
@@ -310,10 +310,10 @@ def run(
                 workers: dict[str, list[int]] = {}
                 control = pooled.metrics_url if name == "crosspool" else None
                 if name == "crosspool":
-                    workers = _workers(pooled, control, models)
+                    workers = worker_pids(pooled, control, models)
                 else:
                     for m, s in zip(models, natives, strict=True):
-                        workers |= {m: _workers(s, None, [m])[m]}
+                        workers |= {m: worker_pids(s, None, [m])[m]}
                 sampler = Sampler(workers, control)
                 begin = time.perf_counter()
                 with tqdm(total=len(arrivals), desc=name, unit="req", file=sys.stderr) as progress:

@@ -11,6 +11,8 @@ its own group's transfer, never the daemon.
 from __future__ import annotations
 
 import time
+from collections import deque
+from dataclasses import dataclass
 
 from pydantic import BaseModel
 
@@ -20,6 +22,7 @@ from crosspool.kv.policy import GroupState, arbitrate
 from crosspool.plan import KvGroupPlan, Plan
 
 TRANSFER_S = 2.0
+RECENT_TRANSFERS = 32
 
 
 class KvBudgetError(RuntimeError):
@@ -52,19 +55,43 @@ class KvGroupStatus(BaseModel):
         return self.target_bytes is not None and self.backed_bytes > self.target_bytes
 
 
+class KvTransfer(BaseModel):
+    """A donor's shrink, ended: the bytes it stopped backing and the seconds from the daemon's
+    lower target to the donor's report of its release."""
+
+    model: str
+    dp_rank: int
+    started: float
+    """Unix time of the lower target."""
+    bytes: int
+    seconds: float
+    complete: bool
+    """False: requests held its tail past TRANSFER_S and it kept what it still backed."""
+
+
 class KvPoolStatus(BaseModel):
     device: str
     budget_bytes: int
     unassigned_bytes: int
     transfers_in_flight: int
     groups: list[KvGroupStatus]
+    recent_transfers: list[KvTransfer]
+    """The last RECENT_TRANSFERS transfers of this pool, oldest first."""
+
+
+@dataclass(frozen=True)
+class _Shrink:
+    started: float
+    """Unix time of the lower target (comparable with GroupReport.published)."""
+    from_blocks: int
 
 
 class KvPools:
     def __init__(self, plan: Plan) -> None:
         self.plan = plan
         self.channels = {g.name: KvChannel(g.name, create=True) for g in plan.kv_groups}
-        self.shrink_since: dict[str, float] = {}
+        self.shrinks: dict[str, _Shrink] = {}
+        self.recent: dict[str, deque[KvTransfer]] = {p.device: deque(maxlen=RECENT_TRANSFERS) for p in plan.kv_pools}
         self.transfers = 0
 
     def _groups(self, device: str) -> list[KvGroupPlan]:
@@ -101,22 +128,43 @@ class KvPools:
                 )
 
     def tick(self) -> None:
-        now = time.monotonic()
+        now = time.time()
         for pool in self.plan.kv_pools:
-            states = [self._state(g) for g in self._groups(pool.device)]
+            groups = self._groups(pool.device)
+            states = [self._state(g) for g in groups]
             if any(s is None for s in states):
                 continue  # an engine still starts with its whole range backed: nothing to move yet
             attached = [s for s in states if s is not None]
             for name, target in arbitrate(pool.budget_bytes, attached).items():
                 self.channels[name].command(target)
                 self.transfers += 1
-            for s in attached:
-                if not s.shrinking:
-                    self.shrink_since.pop(s.name, None)
-                elif now - self.shrink_since.setdefault(s.name, now) > TRANSFER_S:
+            for g, s in zip(groups, attached, strict=True):
+                shrinking = s.backed_blocks > self.channels[s.name].target  # the target just sent counts
+                shrink = self.shrinks.get(s.name)
+                if shrink is None:
+                    if shrinking:
+                        self.shrinks[s.name] = _Shrink(now, s.backed_blocks)
+                elif not shrinking:
+                    self._ended(pool.device, g, s, shrink, complete=True)
+                elif now - shrink.started > TRANSFER_S:
                     log(f"elastic KV: {s.name} keeps {s.backed_blocks} blocks (requests hold its tail)")
                     self.channels[s.name].command(s.backed_blocks)
-                    self.shrink_since.pop(s.name)
+                    self._ended(pool.device, g, s, shrink, complete=False)
+
+    def _ended(self, device: str, g: KvGroupPlan, s: GroupState, shrink: _Shrink, *, complete: bool) -> None:
+        del self.shrinks[s.name]
+        report = self.channels[s.name].report()
+        assert report is not None
+        self.recent[device].append(
+            KvTransfer(
+                model=g.model,
+                dp_rank=g.dp_rank,
+                started=shrink.started,
+                bytes=(shrink.from_blocks - s.backed_blocks) * s.block_bytes,
+                seconds=round(max(report.published - shrink.started, 0.0), 4),
+                complete=complete,
+            )
+        )
 
     def _group_status(self, g: KvGroupPlan, now: float) -> KvGroupStatus:
         channel = self.channels[g.name]
@@ -158,6 +206,7 @@ class KvPools:
                     unassigned_bytes=pool.budget_bytes - charged,
                     transfers_in_flight=sum(g.shrinking for g in groups),
                     groups=groups,
+                    recent_transfers=list(self.recent[pool.device]),
                 )
             )
         return pools

@@ -81,8 +81,13 @@ class ElasticBlocks:
         self.target = self.floor
         self.seq = 0
         self.blocked_since: dict[str, float] = {}
+        self.pool.get_usage = self.usage  # vLLM's log line and kv_cache_usage_perc: of the backed blocks
         self._reach(self.floor)
         self.publish()
+
+    def usage(self) -> float:
+        backed = self.total - len(self.withdrawn) - 1  # less the null block, as vLLM counts
+        return 1.0 - self.pool.get_num_free_blocks() / backed if backed > 0 else 0.0
 
     # -- capacity ------------------------------------------------------------------------------
 
