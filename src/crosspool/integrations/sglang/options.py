@@ -10,9 +10,13 @@ from crosspool.integrations import refusals
 # Dense families whose MLP class the plugin replaces (MoE families are not served through SGLang yet).
 FAMILIES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
-_NO_CP = (
-    "context parallelism is not served with CrossPool: SGLang's CPU attention backends do not implement it "
-    "(torch_native fails under prefill CP, decode CP refuses the CPU), and the FFN pool has no row layout for it yet"
+_NO_PREFILL_CP = (
+    "prefill context parallelism is implemented by SGLang's FlashAttention and TRT-LLM MHA backends "
+    "only (GPU); its CPU backends (torch_native, intel_amx) have no CP hooks (docs/context-parallel.md)"
+)
+_NO_DECODE_CP = (
+    "decode context parallelism is implemented by SGLang's GPU attention backends only (triton, the MLA "
+    "backends); its CPU backends have none (docs/context-parallel.md)"
 )
 _LAYOUT = "changes which rows reach the FFN (the pool computes exactly the rows one rank hands it)"
 
@@ -32,9 +36,9 @@ UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "moe_dense_tp_size": (None, _LAYOUT),
     "enable_layernorm_sp": (False, _LAYOUT),
     "enable_attn_tp_input_scattered": (False, _LAYOUT),
-    "attn_cp_size": (1, _NO_CP),
-    "enable_prefill_cp": (False, _NO_CP),
-    "dcp_size": (1, _NO_CP),
+    "attn_cp_size": (1, _NO_PREFILL_CP),
+    "enable_prefill_cp": (False, _NO_PREFILL_CP),
+    "dcp_size": (1, _NO_DECODE_CP),
     "ep_size": (1, "expert parallelism belongs to the FFN pool, not the engine"),
     "moe_a2a_backend": ("none", "expert parallelism belongs to the FFN pool, not the engine"),
     "enable_eplb": (False, "expert parallelism belongs to the FFN pool, not the engine"),

@@ -12,8 +12,17 @@ UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "enable_lora": (False, "LoRA adapters on the FFN would be applied by nobody (FFN runs in the pool)"),
     "quantization": (None, "the FFN pool executes unquantized bf16/fp32 weights only"),
     "pipeline_parallel_size": (1, "pipeline parallelism is not qualified with the FFN pool"),
-    "decode_context_parallel_size": (1, "context parallelism does not run on vLLM's CPU backend"),
-    "prefill_context_parallel_size": (1, "context parallelism does not run on vLLM's CPU backend"),
+    "decode_context_parallel_size": (
+        1,
+        "decode context parallelism needs an attention backend that returns the softmax LSE to merge "
+        "partial outputs; vLLM's CPU attention does not, and its CPU slot mapping accepts CP size 1 only "
+        "(docs/context-parallel.md)",
+    ),
+    "prefill_context_parallel_size": (
+        1,
+        "prefill context parallelism runs only in vLLM's Model Runner V2, which needs Triton (absent on "
+        "CPU), and only for MLA models (docs/context-parallel.md)",
+    ),
     "enable_expert_parallel": (False, "expert parallelism belongs to the FFN pool, not the engine"),
     "cpu_offload_gb": (0, "weight offload would move attention weights the plan does not know about"),
     "kv_transfer_config": (None, "KV transfer / disaggregated serving is not supported"),
