@@ -19,7 +19,7 @@ from crosspool.daemon.generation import Generation
 from crosspool.integrations import kernels
 from crosspool.models.spec import load_ffn_spec
 from crosspool.resolve import resolve
-from crosspool.transport.errors import FfnCallRejected, FfnFenced, FfnPeerExited, FfnTimeout
+from crosspool.transport.errors import FfnCallRejected, FfnFenced, FfnPeerExited, FfnTimeout, RankDisagreement
 from crosspool.transport.mailbox import W_REQ_SEQ, RankTransport, resp_word
 
 HIDDEN = 128  # the tiny checkpoints'
@@ -156,6 +156,35 @@ def test_attention_tp_ranks_share_one_call_per_layer(shared, reference):
     assert all(torch.equal(a, b) for a, b in zip(outs[0], outs[1], strict=True))
     assert all(torch.equal(o, reference[i % 2](x)) for i, (x, o) in enumerate(zip(inputs, outs[0], strict=True)))
     assert ranks[0].mailbox.words[W_REQ_SEQ] - first == ranks[1].seq - first == len(inputs)  # one publication each
+
+
+def test_a_follower_whose_call_differs_fails_instead_of_taking_the_leaders_result(shared):
+    """Same layer and row count but one element different, or another layer: the follower's call
+    is a protocol error (it still acknowledges, so the leader goes on); the same call works."""
+    ranks = [RankTransport(shared.plan.rank_layout("tp", r)) for r in (0, 1)]
+    x = _rows(8)
+    other = x.clone()
+    other[5, 17] += 1
+    outs = [torch.empty_like(x) for _ in ranks]
+
+    def both(follower_layer: int, follower_rows: torch.Tensor) -> str | None:
+        errors: list[RankDisagreement] = []
+
+        def follow() -> None:
+            try:
+                ranks[1].call(follower_layer, follower_rows, outs[1])
+            except RankDisagreement as e:
+                errors.append(e)
+
+        follower = threading.Thread(target=follow)
+        follower.start()
+        ranks[0].call(0, x, outs[0])
+        follower.join(timeout=30)
+        return str(errors[0]) if errors else None
+
+    assert "handed the pool other rows than rank 0 for layer 0 (8 rows)" in (both(0, other) or "")
+    assert "is layer 0 with 8 rows on rank 0, layer 1 with 8 rows on rank 1" in (both(1, x) or "")
+    assert both(0, x) is None and torch.equal(outs[0], outs[1])
 
 
 def test_probe_is_answered_by_the_agent_without_computing(shared):

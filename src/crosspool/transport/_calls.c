@@ -29,12 +29,12 @@
 #include <string.h>
 #include <time.h>
 
-enum { OK = 0, FENCED = 1, PEER_EXITED = 2, TIMEOUT = 3, AGENT_ERROR = 4, DISAGREE = 5, SIGNALLED = 6 };
+enum { OK = 0, FENCED = 1, PEER_EXITED = 2, TIMEOUT = 3, AGENT_ERROR = 4, DISAGREE = 5, SIGNALLED = 6, ROWS_DIFFER = 7 };
 enum { MAX_SHARDS = 8, MAX_TP = 4, MAX_AGENTS = 64, N_BUCKETS = 15, PROBE_LAYER_ID = -1 };
 
 typedef struct {
     /* word indices (u32) */
-    Py_ssize_t req_seq, layer, rows, submit_lo, submit_hi, fence, resp_seq, status, ack, stride;
+    Py_ssize_t req_seq, layer, rows, submit_lo, submit_hi, digest_lo, digest_hi, fence, resp_seq, status, ack, stride;
     /* byte offsets */
     Py_ssize_t reply_sems, ack_sems, sem_size, max_tp, reader_stats, reader_words, data;
     /* u64 indices within a reader's counters (mailbox), and within an agent's (inbox) */
@@ -62,7 +62,8 @@ static int parse_layout(PyObject *d, Layout *l) {
         l->name = PyLong_AsSsize_t(v);                                   \
         if (l->name == -1 && PyErr_Occurred()) return -1;                \
     } while (0)
-    FIELD(req_seq); FIELD(layer); FIELD(rows); FIELD(submit_lo); FIELD(submit_hi); FIELD(fence);
+    FIELD(req_seq); FIELD(layer); FIELD(rows); FIELD(submit_lo); FIELD(submit_hi); FIELD(digest_lo); FIELD(digest_hi);
+    FIELD(fence);
     FIELD(resp_seq); FIELD(status); FIELD(ack); FIELD(stride);
     FIELD(reply_sems); FIELD(ack_sems); FIELD(sem_size); FIELD(max_tp); FIELD(reader_stats);
     FIELD(reader_words); FIELD(data); FIELD(r_calls); FIELD(r_call_ns); FIELD(r_buckets);
@@ -174,6 +175,27 @@ static int rank_wait(RankChannel *r, sem_t *sem, Py_ssize_t word, uint32_t targe
     }
 }
 
+/* A 64-bit digest of a call's rows. Every reader of a mailbox hands the pool the same rows (the
+ * replicated-row layout: attention TP ranks hold identical hidden states); the leader publishes the
+ * digest of its rows with the call and a follower checks its own against it, so a follower whose
+ * rows differ fails instead of taking the leader's result. Four lanes keep it near memory speed. */
+static uint64_t rows_digest(const char *p, size_t n) {
+    const uint64_t k = 0x9E3779B97F4A7C15ull;
+    uint64_t h[4] = {1, 2, 3, 4};
+    size_t i = 0;
+    for (; i + 32 <= n; i += 32)
+        for (int j = 0; j < 4; j++) {
+            uint64_t v;
+            memcpy(&v, p + i + 8 * j, 8);
+            h[j] = (h[j] ^ v) * k;
+            h[j] ^= h[j] >> 29;
+        }
+    for (; i < n; i++) h[0] = (h[0] ^ (unsigned char)p[i]) * k;
+    uint64_t d = n;
+    for (int j = 0; j < 4; j++) d = (d ^ h[j]) * k, d ^= d >> 31;
+    return d;
+}
+
 static int rank_round(RankChannel *r, int layer, const char *in, char *out, uint32_t rows) {
     volatile uint32_t *w = r->w;
     Layout *l = &r->l;
@@ -182,6 +204,7 @@ static int rank_round(RankChannel *r, int layer, const char *in, char *out, uint
     int n = probe ? 1 : r->group_len[layer];
     int *group = probe ? r->groups[0] : r->groups[layer];
     uint32_t seq = r->seq + 1;
+    uint64_t digest = (r->readers > 1 && !probe) ? rows_digest(in, (size_t)rows * r->row_bytes) : 0;
     if (r->reader == 0) {
         if (load(&w[l->fence])) return FENCED;
         for (int f = 1; f < r->readers; f++) { /* followers must have read the previous call's planes */
@@ -192,6 +215,8 @@ static int rank_round(RankChannel *r, int layer, const char *in, char *out, uint
         uint64_t t = now_ns();
         w[l->layer] = probe ? l->probe_layer : (uint32_t)layer;
         w[l->rows] = rows;
+        w[l->digest_lo] = (uint32_t)digest;
+        w[l->digest_hi] = (uint32_t)(digest >> 32);
         w[l->submit_lo] = (uint32_t)t;
         w[l->submit_hi] = (uint32_t)(t >> 32);
         store(&w[l->req_seq], seq);
@@ -207,11 +232,17 @@ static int rank_round(RankChannel *r, int layer, const char *in, char *out, uint
         }
     }
     if (probe) return OK;
-    if (r->reader && (w[l->layer] != (uint32_t)layer || w[l->rows] != rows)) return DISAGREE;
+    /* A follower whose call differs from the leader's fails, but still acknowledges: it is done
+     * with the planes, and the leader's next call must not wait out the bound for it. */
+    int verdict = OK;
+    if (r->reader && (w[l->layer] != (uint32_t)layer || w[l->rows] != rows))
+        verdict = DISAGREE;
+    else if (r->reader && (w[l->digest_lo] != (uint32_t)digest || w[l->digest_hi] != (uint32_t)(digest >> 32)))
+        verdict = ROWS_DIFFER;
     const char *plane0 = r->base + l->data + r->plane_bytes;
-    if (n == 1) {
+    if (verdict == OK && n == 1) {
         memcpy(out, plane0, (size_t)rows * r->row_bytes);
-    } else {
+    } else if (verdict == OK) {
         Py_ssize_t count = (Py_ssize_t)rows * r->hidden;
         for (Py_ssize_t i = 0; i < count; i++) {
             float total = 0.0f;
@@ -230,6 +261,7 @@ static int rank_round(RankChannel *r, int layer, const char *in, char *out, uint
         store(&w[l->ack + l->stride * (r->reader - 1)], seq);
         sem_post(ack_sem(l, r->base, r->reader));
     }
+    if (verdict != OK) return verdict;
     uint64_t elapsed = now_ns() - start;
     int b = 0;
     while (b < N_BUCKETS && elapsed > r->buckets_ns[b]) b++;
@@ -617,6 +649,7 @@ PyMODINIT_FUNC PyInit__calls(void) {
         PyModule_AddIntConstant(m, "TIMEOUT", TIMEOUT) < 0 ||
         PyModule_AddIntConstant(m, "AGENT_ERROR", AGENT_ERROR) < 0 ||
         PyModule_AddIntConstant(m, "DISAGREE", DISAGREE) < 0 ||
+        PyModule_AddIntConstant(m, "ROWS_DIFFER", ROWS_DIFFER) < 0 ||
         PyModule_AddIntConstant(m, "N_BUCKETS", N_BUCKETS) < 0) {
         Py_DECREF(m);
         return NULL;

@@ -8,6 +8,7 @@ PEER_EXITED: int
 TIMEOUT: int
 AGENT_ERROR: int
 DISAGREE: int
+ROWS_DIFFER: int
 N_BUCKETS: int
 
 class RankChannel:

@@ -15,7 +15,11 @@ With attention tensor parallelism the TP ranks of a DP rank hold the same hidden
 the same calls, so they share one mailbox: the first rank (the leader) publishes each call, the
 others (followers) wait for the same replies, read the same output planes and acknowledge on
 their own line; the leader publishes its next call only once every follower acknowledged the
-previous one, so planes are never overwritten while a follower still reads them.
+previous one, so planes are never overwritten while a follower still reads them. This is the
+replicated-row layout, the only one a mailbox serves: every reader hands the pool the same rows
+and gets all of them back. The leader publishes a 64-bit digest of its rows with the call and a
+follower checks its own rows against it: a follower whose layer, row count or rows differ fails
+its call (RankDisagreement) instead of taking the leader's result.
 
 Waits are process-shared glibc semaphores (a reply semaphore per shard and reader, an ack
 semaphore per follower): `sem_post` enters the kernel only when the reader sleeps, and the
@@ -59,7 +63,7 @@ SEQ_MASK = 0xFFFFFFFF
 
 # u32 word indices; words written by different processes sit on different 64-byte lines.
 W_MAGIC, W_MAX_ROWS, W_HIDDEN, W_DTYPE, W_OWNER_PID, W_SHARDS, W_READERS = 0, 1, 2, 3, 4, 5, 6  # creator
-W_REQ_SEQ, W_LAYER, W_ROWS, W_SUBMIT_LO, W_SUBMIT_HI, W_RANK_PID = 16, 17, 18, 19, 20, 21  # the rank
+W_REQ_SEQ, W_LAYER, W_ROWS, W_SUBMIT_LO, W_SUBMIT_HI, W_RANK_PID, W_DIGEST_LO, W_DIGEST_HI = range(16, 24)  # the rank
 W_FENCE, W_FENCE_LEN = 32, 33  # the control plane
 MAX_SHARDS = 8
 W_RESP_SEQ, W_STATUS, W_ERR_LEN = 48, 49, 50  # the FFN side: shard i's words are 16 * i further
@@ -232,6 +236,8 @@ LAYOUT = {
     "rows": W_ROWS,
     "submit_lo": W_SUBMIT_LO,
     "submit_hi": W_SUBMIT_HI,
+    "digest_lo": W_DIGEST_LO,
+    "digest_hi": W_DIGEST_HI,
     "fence": W_FENCE,
     "resp_seq": W_RESP_SEQ,
     "status": W_STATUS,
@@ -355,6 +361,11 @@ class RankTransport:
             return RankDisagreement(
                 f"attention TP ranks of {self.model} disagree: call {self.seq} is layer {w[W_LAYER]} with "
                 f"{w[W_ROWS]} rows on rank 0, layer {layer} with {rows} rows on rank {self.reader}"
+            )
+        if status == calls.ROWS_DIFFER:
+            return RankDisagreement(
+                f"attention TP rank {self.reader} of {self.model} handed the pool other rows than rank 0 for layer "
+                f"{layer} ({rows} rows): the ranks of a mailbox must hold identical rows"
             )
         assert status == calls.TIMEOUT, status
         bound = f"{self.bound_s:g} s"
