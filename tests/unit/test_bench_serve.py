@@ -9,7 +9,7 @@ import random
 import pytest
 
 from crosspool.bench.elastic_kv import donor_rss_drop, out_of_phase, transfers
-from crosspool.bench.serve import Lengths, Outcome, poisson, summarize
+from crosspool.bench.serve import Lengths, Outcome, native_env, poisson, summarize
 from crosspool.config import parse_deployment
 
 MIB = 2**20
@@ -66,3 +66,16 @@ def test_donor_rss_drop_and_transfers_from_samples():
         {"model": "a", "mib": 256.0, "seconds": 0.03, "complete": True},
         {"model": "a", "mib": 10.0, "seconds": 2.1, "complete": False},
     ]
+
+
+def test_native_engines_split_the_budget_evenly_in_whole_units(tiny_models):
+    """The natives' fixed split: vLLM gets bytes, SGLang tokens, both integers (SGLang's parser
+    refuses '1456.0')."""
+    text = '[[attention_device]]\nid = "atn0"\nkv_budget_gib = 0.0625\n' + "".join(
+        f'[[model]]\nid = "{m}"\npath = "{tiny_models["llama"]}"\nengine = "{engine}"\n'
+        for m, engine in (("v", "vllm"), ("s", "sglang"))
+    )
+    d = parse_deployment(text)
+    assert native_env(d, "v") == ({"kv_cache_memory_bytes": 2**25}, {"VLLM_CPU_KVCACHE_SPACE": None})
+    (tokens,) = native_env(d, "s")[0].values()
+    assert type(tokens) is int and tokens > 0

@@ -31,6 +31,7 @@ from typing import Any
 import httpx
 
 from crosspool import host
+from crosspool.bench.elastic_kv import deployment_text
 from crosspool.bench.overhead import crosspool_daemon, wait_ready
 from crosspool.bench.serve import START_TIMEOUT_S, VOCAB, worker_pids
 from crosspool.ipc import bind_port
@@ -41,28 +42,6 @@ MIB = 2**20
 MAX_NUM_SEQS = 32
 PROMPT_LEN = 1000  # a burst's KV: 32 x 1001 tokens of SmolLM2 in bf16, 704 MiB
 SETTLE_TIMEOUT_S = 60.0
-
-
-def deployment_text(model: Path, engine: str, budget_gib: float, port: int, control_port: int) -> str:
-    one = f'''path = "{model}"
-engine = "{engine}"
-{"enforce_eager = true" if engine == "vllm" else ""}
-max_model_len = 1024
-max_num_seqs = {MAX_NUM_SEQS}
-kv_cache_gib = 1
-'''
-    return f"""name = "kv-transfer"
-port = {port}
-control_port = {control_port}
-[[attention_device]]
-id = "atn0"
-kv_budget_gib = {budget_gib}
-[[model]]
-id = "a"
-{one}
-[[model]]
-id = "b"
-{one}"""
 
 
 def _burst(url: str, model: str, seed: int) -> None:
@@ -100,7 +79,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True, help="the JSON report (engine log next to it)")
     args = p.parse_args(argv)
     model = (args.model or prepare_smollm2()).resolve()
-    text = deployment_text(model, args.engine, args.budget_gib, bind_port("127.0.0.1"), bind_port("127.0.0.1"))
+    ports = bind_port("127.0.0.1"), bind_port("127.0.0.1")
+    text = deployment_text(
+        model, args.engine, args.budget_gib, *ports, name="kv-transfer", max_model_len=1024, max_num_seqs=MAX_NUM_SEQS
+    )
     log_path = args.out.with_suffix(".log")
     rows: list[dict[str, Any]] = []
     with (

@@ -209,12 +209,15 @@ def _pct(values: list[float]) -> dict[str, float | None]:
     return {"p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99)}
 
 
+def meets(o: Outcome, ttft_slo_s: float, tbt_slo_s: float) -> bool:
+    return o.ok and o.ttft_s is not None and o.ttft_s <= ttft_slo_s and (o.tpot_s or 0.0) <= tbt_slo_s
+
+
 def summarize(outcomes: list[Outcome], d: Deployment, seconds: float) -> dict:
     slos = {m.id: (m.ttft_slo_s, m.tbt_slo_s) for m in d.model}
 
     def met(o: Outcome) -> bool:
-        ttft, tbt = slos[o.model]
-        return o.ok and o.ttft_s is not None and o.ttft_s <= ttft and (o.tpot_s or 0.0) <= tbt
+        return meets(o, *slos[o.model])
 
     per_model = {
         m: {
@@ -261,7 +264,7 @@ def native_env(d: Deployment, model_id: str) -> tuple[dict, dict[str, str | None
         return {"kv_cache_memory_bytes": per_rank}, {"VLLM_CPU_KVCACHE_SPACE": None}
     from crosspool.integrations.sglang.launch import kv_cache_tokens
 
-    return {"max_total_tokens": kv_cache_tokens(model.model_copy(update={"kv_cache_gib": per_rank / 2**30}))}, {}
+    return {"max_total_tokens": kv_cache_tokens(model, per_rank)}, {}
 
 
 def run(
@@ -396,6 +399,11 @@ def write_report(out: Path, result: dict, outcomes: dict[str, list[Outcome]], sa
             f"| {side} | {s['requests']} | {s['failed']} | {s['output_tok_s']} | {s['slo_attainment']} | "
             f"{t['p50']}/{t['p90']}/{t['p99']} | {p['p50']}/{p['p90']}/{p['p99']} |"
         )
+    sweep = result.get("slo_attainment_by_ttft_slo_s")
+    if sweep:  # bench elastic-kv: the attainment at other TTFT SLOs, same requests
+        sides = list(sweep)
+        rows += ["", "| SLO attainment at TTFT SLO (s) | " + " | ".join(sides) + " |", "|---" * (len(sides) + 1) + "|"]
+        rows += [f"| {slo} | " + " | ".join(str(sweep[side][slo]) for side in sides) + " |" for slo in sweep[sides[0]]]
     name, host = stem.name, result["host"]
     text: list[str] = [
         f"# {result['bench']} {time.strftime('%Y-%m-%d')}",

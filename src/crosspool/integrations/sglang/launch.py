@@ -75,14 +75,16 @@ def activation_math(model: ModelConfig) -> ActivationMath:
     return "dtype"
 
 
-def kv_cache_tokens(model: ModelConfig) -> int:
-    """`max_total_tokens` that fits `kv_cache_gib`: SGLang's CPU default sizes the KV pool from
-    the host's free memory, which several Instances on one host cannot all have."""
+def kv_cache_tokens(model: ModelConfig, kv_bytes: int | None = None) -> int:
+    """`max_total_tokens` that fits `kv_bytes` (default: `kv_cache_gib`): SGLang's CPU default
+    sizes the KV pool from the host's free memory, which several Instances on one host cannot all
+    have."""
     config = json.loads((model.path / "config.json").read_text())
     heads = config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     per_token = config["num_hidden_layers"] * 2 * config.get("num_key_value_heads", heads) * head_dim
-    return model.kv_cache_gib * 2**30 // (per_token * dtype_bytes(model.dtype))
+    kv_bytes = model.kv_cache_gib * 2**30 if kv_bytes is None else kv_bytes
+    return kv_bytes // (per_token * dtype_bytes(model.dtype))
 
 
 def engine_env(model: ModelConfig, plan_path: Path | None, rank_cpus: list[list[int]]) -> dict[str, str]:
