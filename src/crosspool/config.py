@@ -40,6 +40,9 @@ class Limits(_Strict):
     heartbeat_interval_s: float = Field(0.5, gt=0, le=10)
     heartbeat_timeout_s: float = Field(5.0, gt=0, le=120)
     """A member whose heartbeats stop this long (a frozen process) fails the generation."""
+    max_request_bytes: int = Field(4 * 2**20, ge=4096, le=2**30)
+    """The largest request body the front and the control API accept (413 past it, refused before
+    the body is read whole)."""
     spin_us: int = Field(2000, ge=0, le=100_000)
     """How long an end of a layer call watches the mailbox for the other end (yielding its CPU)
     before it sleeps, where the two ends run on different CPUs (crosspool/cpus.py); an FfnAgent

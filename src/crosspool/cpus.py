@@ -112,13 +112,30 @@ def running_on(cpus: list[int]) -> Iterator[None]:
         os.sched_setaffinity(0, before)
 
 
+def _ppid(pid: int) -> int:
+    """The parent of `pid` (OSError if it does not exist)."""
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def descends_from(pid: int, ancestor: int) -> bool | None:
+    """Whether `pid` is `ancestor` or below it; None where /proc cannot tell (no /proc)."""
+    if not Path("/proc/self/stat").exists():
+        return None
+    try:
+        while pid > 1 and pid != ancestor:
+            pid = _ppid(pid)
+    except (OSError, IndexError, ValueError):
+        return False  # gone, or not a process
+    return pid == ancestor
+
+
 def descendants(root: int) -> list[int]:
     """`root` and every process below it (read from /proc: members live in their own sessions)."""
     children: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                ppid = _ppid(int(entry.name))
             except (OSError, IndexError, ValueError):
                 continue
             children.setdefault(ppid, []).append(int(entry.name))

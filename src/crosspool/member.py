@@ -10,9 +10,11 @@ member dead when they stay away).
 from __future__ import annotations
 
 import os
+import secrets
 import sys
 import threading
 from collections.abc import Callable
+from pathlib import Path
 
 import httpx
 
@@ -20,6 +22,25 @@ from crosspool.metrics import MemberMetrics
 from crosspool.plan import Plan
 
 REQUEST_TIMEOUT_S = 5.0
+SECRET_FILE = "member-secret"
+"""Beside a generation's plan file, mode 0600 in the generation's 0700 run directory: the
+generation's member secret, which every member-facing endpoint of the control API requires."""
+
+
+def new_secret() -> str:
+    return secrets.token_urlsafe(32)
+
+
+def write_secret(plan_path: Path, secret: str) -> None:
+    fd = os.open(plan_path.with_name(SECRET_FILE), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secret)
+
+
+def load_membership(plan_path: Path) -> tuple[Plan, str]:
+    """A member's plan and the generation's member secret, both from the files the daemon wrote."""
+    plan = Plan.model_validate_json(plan_path.read_text())
+    return plan, plan_path.with_name(SECRET_FILE).read_text()
 
 
 class ControlError(RuntimeError):
@@ -35,10 +56,12 @@ class DaemonRefused(ControlError):
 
 
 class ControlClient:
-    def __init__(self, plan: Plan, role: str, ident: str, rank: int = 0) -> None:
+    def __init__(self, plan: Plan, secret: str, role: str, ident: str, rank: int = 0) -> None:
         self.plan = plan
         self.ref = {"role": role, "id": ident, "rank": rank, "generation": plan.generation}
-        self.http = httpx.Client(base_url=plan.control_url, timeout=REQUEST_TIMEOUT_S)
+        self.http = httpx.Client(
+            base_url=plan.control_url, timeout=REQUEST_TIMEOUT_S, headers={"Authorization": f"Bearer {secret}"}
+        )
         self.phase = "starting"
         self.failure: str | None = None
         self._stop = threading.Event()

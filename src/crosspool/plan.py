@@ -39,6 +39,8 @@ class ModelPlan(_Frozen):
     """Per engine rank, the CPUs it runs on (the engine binds its workers there)."""
     spin_us: int
     """How long a rank watches its mailbox for the reply before it sleeps (crosspool/cpus.py)."""
+    max_model_len: int
+    """Prompt plus output tokens of one request at most (the front refuses more)."""
 
     @property
     def ranks(self) -> int:
@@ -114,6 +116,7 @@ class Plan(_Frozen):
     """The daemon's control API: members register and send heartbeats there."""
     ffn_timeout_s: float
     heartbeat_interval_s: float
+    max_request_bytes: int
     control_cpus: list[int]
     """Where the daemon, the front, the AtnAgents and the engines' non-rank processes run."""
     models: list[ModelPlan]
@@ -189,6 +192,7 @@ def build_plan(
             ModelPlan(
                 id=m.id,
                 path=m.path,
+                max_model_len=m.max_model_len,
                 engine=m.engine,
                 dtype=m.dtype,
                 hidden=spec.hidden,
@@ -264,6 +268,7 @@ def build_plan(
         control_url=f"http://{deployment.host}:{deployment.control}",
         ffn_timeout_s=limits.ffn_timeout_s,
         heartbeat_interval_s=limits.heartbeat_interval_s,
+        max_request_bytes=limits.max_request_bytes,
         control_cpus=cpus.control,
         models=models,
         atn_agents=[a.id for a in deployment.attention_device],

@@ -107,6 +107,29 @@ def test_demo_answers_the_demo_question(demo):
     assert _metric(metrics, 'crosspool_ffn_executed_total{agent="ffn0",model="smollm2-135m"}') >= 30 * steps
 
 
+def test_front_and_control_api_refuse_what_is_too_big_and_stay_up(demo):
+    """Bodies past limits.max_request_bytes (413, before they are read whole), JSON nested past
+    the parser, max_tokens or token prompts past max_model_len (400 with the reason): all counted,
+    and both servers still answer."""
+    d = demo.get()
+    url, model = d.url + "/v1/completions", "smollm2-135m"
+    huge = b'{"model": "smollm2-135m", "prompt": "' + b"x" * (5 * 2**20) + b'"}'
+    r = httpx.post(url, content=huge, headers={"content-type": "application/json"})
+    assert r.status_code == 413 and "limits.max_request_bytes" in r.json()["error"]["message"]
+    assert httpx.post(d.control + "/v1/failures", content=huge).status_code == 413
+    r = httpx.post(url, content=b"[" * 200_000, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    r = httpx.post(url, json={"model": model, "prompt": "x", "max_tokens": 10**9})
+    assert r.status_code == 400 and "exceeds smollm2-135m's max_model_len" in r.json()["error"]["message"]
+    r = httpx.post(url, json={"model": model, "prompt": [1] * 100_000, "max_tokens": 1})
+    assert r.status_code == 400 and "100000 prompt tokens + max_tokens 1 exceed" in r.json()["error"]["message"]
+    assert httpx.get(d.url + "/v1/models").status_code == 200 and httpx.get(d.control + "/ready").status_code == 200
+    time.sleep(1.5)  # the front's next heartbeat carries the counts
+    metrics = httpx.get(d.control + "/metrics").text
+    assert _metric(metrics, 'crosspool_requests_total{code="4xx",model="unknown"}') >= 2, metrics
+    assert _metric(metrics, 'crosspool_requests_total{code="4xx",model="smollm2-135m"}') >= 2, metrics
+
+
 def test_demo_places_each_role_as_planned(demo):
     """Every role on the CPUs the resolved deployment names: the rank on its own, the FfnAgent on
     the CPUs no rank uses (on a host with one: with its rank, both ends then sleeping instead of

@@ -11,8 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from crosspool.ipc import Stop, die_with_supervisor
-from crosspool.member import ControlClient
-from crosspool.plan import Plan
+from crosspool.member import ControlClient, load_membership
 
 
 class AgentProcess:
@@ -22,8 +21,8 @@ class AgentProcess:
         parser.add_argument("--id", required=True)
         args = parser.parse_args(argv)
         self.role, self.id = role, args.id
-        self.plan = Plan.model_validate_json(args.plan.read_text())
-        self.control = ControlClient(self.plan, role, self.id)
+        self.plan, secret = load_membership(args.plan)
+        self.control = ControlClient(self.plan, secret, role, self.id)
         self.stop = Stop()
         self.heartbeat: Callable[[], None] | None = None
         signal.signal(signal.SIGTERM, self.stop.request)

@@ -3,18 +3,22 @@ status and Prometheus metrics. Members talk to it; it is never on the per-layer 
 
 from __future__ import annotations
 
+import secrets
 import threading
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI, HTTPException
 from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CollectorRegistry, generate_latest
 from pydantic import BaseModel
 
+from crosspool.bodylimit import BodyLimit
 from crosspool.daemon.kv import KvPools, KvPoolStatus
 from crosspool.daemon.registry import FailureReport, Heartbeat, Refused, Registration, Registry, slot_name
 from crosspool.daemon.supervisor import log
+from crosspool.member import new_secret
 from crosspool.metrics import DeploymentMetrics
 from crosspool.plan import Plan
 
@@ -75,6 +79,8 @@ class ControlState:
         self.changed = threading.Condition(self.lock)
         self.kv: KvPools | None = None
         """The current generation's elastic KV pools (None: no attention device has kv_budget_gib)."""
+        self.secret = new_secret()
+        """The current generation's member secret (member.SECRET_FILE): a new one each generation."""
 
     @property
     def plan(self) -> Plan:
@@ -83,6 +89,7 @@ class ControlState:
     def new_generation(self, plan: Plan) -> None:
         with self.lock:
             self.registry = Registry(plan)
+            self.secret = new_secret()
             self.phase, self.failure, self.failure_kind = "starting", None, None
             self.models_ready = set()
             self.metrics.generation = plan.generation
@@ -159,16 +166,30 @@ def _refused(reason: str) -> JSONResponse:
     return JSONResponse({"detail": reason}, status_code=409)
 
 
+_BEARER = HTTPBearer(auto_error=False)  # at module level: FastAPI resolves the annotation below here
+
+
 def create_control_app(state: ControlState) -> FastAPI:
+    def member(credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_BEARER)]) -> None:
+        """The member-facing endpoints: the caller holds the current generation's member secret,
+        or nothing changes (401)."""
+        given = "" if credentials is None else credentials.credentials
+        if not secrets.compare_digest(given.encode(), state.secret.encode()):
+            raise HTTPException(401, "not a member of the current generation (member secret missing or wrong)")
+
     app = FastAPI(
         title="CrossPool daemon",
         summary="Control API of one CrossPool deployment: members register and send heartbeats; "
         "operators read readiness, status and metrics.",
         version="1",
     )
+    app.add_middleware(BodyLimit, max_bytes=state.plan.max_request_bytes)
     registry = CollectorRegistry(auto_describe=True)
     registry.register(state.metrics)  # type: ignore[arg-type]
-    refusal = {409: {"description": "refused, with the reason", "model": dict[str, str]}}
+    refusal = {
+        401: {"description": "no or a wrong member secret"},
+        409: {"description": "refused, with the reason", "model": dict[str, str]},
+    }
 
     @app.get("/health")
     def health() -> dict[str, str]:
@@ -206,7 +227,7 @@ def create_control_app(state: ControlState) -> FastAPI:
     def metrics() -> PlainTextResponse:
         return PlainTextResponse(generate_latest(registry).decode(), media_type="text/plain; version=0.0.4")
 
-    @app.post("/v1/members", responses=refusal)  # type: ignore[arg-type]
+    @app.post("/v1/members", responses=refusal, dependencies=[Depends(member)])  # type: ignore[arg-type]
     def register(reg: Registration) -> Accepted:
         """A member of the current generation registers (once per slot)."""
         with state.lock:
@@ -219,7 +240,7 @@ def create_control_app(state: ControlState) -> FastAPI:
             state.changed.notify_all()
         return state.accepted()
 
-    @app.post("/v1/heartbeats", responses=refusal)  # type: ignore[arg-type]
+    @app.post("/v1/heartbeats", responses=refusal, dependencies=[Depends(member)])  # type: ignore[arg-type]
     def heartbeat(hb: Heartbeat) -> Accepted:
         with state.lock:
             try:
@@ -229,7 +250,7 @@ def create_control_app(state: ControlState) -> FastAPI:
             state.metrics.add(hb.id, previous, hb.metrics)
         return state.accepted()
 
-    @app.post("/v1/failures", responses=refusal)  # type: ignore[arg-type]
+    @app.post("/v1/failures", responses=refusal, dependencies=[Depends(member)])  # type: ignore[arg-type]
     def failure(report: FailureReport) -> Accepted:
         """A registered member reports a fatal error (e.g. a protocol error); the first failure wins."""
         with state.lock:

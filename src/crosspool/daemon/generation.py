@@ -31,6 +31,7 @@ from crosspool.daemon.supervisor import Child, Supervisor, log
 from crosspool.fabric.inbox import Inbox
 from crosspool.integrations import launcher
 from crosspool.ipc import EngineFiles, SegmentMissing, Stop
+from crosspool.member import write_secret
 from crosspool.metrics import CallCounts, ExecCounts, PoolCounters
 from crosspool.plan import Plan
 from crosspool.transport.mailbox import W_LAYER, W_REQ_SEQ, Mailbox
@@ -52,6 +53,7 @@ class Generation:
         self.run_dir = Path(tempfile.mkdtemp(prefix=f"crosspool-{plan.token}-"))
         self.plan_path = self.run_dir / "plan.json"
         self.plan_path.write_text(plan.model_dump_json(indent=1))
+        write_secret(self.plan_path, state.secret)
         self.mailboxes: list[Mailbox] = []  # by MailboxPlan.index, once the AtnAgents created them
         self.inboxes: dict[str, Inbox] = {}  # by FfnAgent, once they registered
         self.engines: dict[str, Child] = {}  # by model

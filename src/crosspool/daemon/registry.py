@@ -7,12 +7,14 @@ another plan or another generation are refused with the reason (HTTP 409).
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from crosspool.cpus import descends_from
 from crosspool.ipc import Peer
 from crosspool.metrics import MemberMetrics
 from crosspool.plan import Plan
@@ -122,6 +124,8 @@ class Registry:
         held = self.members.get(reg.slot)
         if held is not None:
             raise Refused(f"{held.name} is already registered by pid {held.pid}")
+        if descends_from(reg.pid, os.getpid()) is False:
+            raise Refused(f"{slot_name(*reg.slot)}: pid {reg.pid} was not started by this daemon")
         now = time.monotonic()
         member = Member(reg.slot, reg.pid, Peer(reg.role, reg.id, reg.pid), now, now)
         self.members[reg.slot] = member

@@ -25,8 +25,9 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from crosspool.bodylimit import BodyLimit
 from crosspool.ipc import die_with_supervisor, supervisor_gone, supervisor_pid
-from crosspool.member import ControlClient
+from crosspool.member import ControlClient, load_membership
 from crosspool.metrics import MemberMetrics
 from crosspool.plan import Plan
 
@@ -51,10 +52,11 @@ def _error(status: int, message: str, kind: str) -> JSONResponse:
 
 
 class Front:
-    def __init__(self, plan: Plan) -> None:
+    def __init__(self, plan: Plan, secret: str) -> None:
         self.plan = plan
         self.upstreams = {m.id: m.url for m in plan.models}
-        self.control = ControlClient(plan, "front", "front")
+        self.max_model_len = {m.id: m.max_model_len for m in plan.models}
+        self.control = ControlClient(plan, secret, "front", "front")
         self.inflight = 0
         self.requests: dict[str, dict[str, int]] = {}
         self.daemon = httpx.AsyncClient(base_url=plan.control_url, timeout=2.0)
@@ -89,6 +91,23 @@ class Front:
         key = f"{status // 100}xx"
         classes[key] = classes.get(key, 0) + 1
 
+    def over_length(self, model: str, body: dict) -> str | None:
+        """Why the request cannot fit the model's max_model_len, where the front can tell without a
+        tokenizer (output tokens, token-id prompts); text prompts are the engine's to measure."""
+        limit = self.max_model_len[model]
+        max_tokens = body.get("max_tokens", body.get("max_completion_tokens"))
+        if max_tokens is not None and not (isinstance(max_tokens, int) and max_tokens >= 0):
+            return f"max_tokens must be a non-negative integer (got {max_tokens!r})"
+        prompt = body.get("prompt")
+        prompt_tokens = len(prompt) if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt) else 0
+        if prompt_tokens + (max_tokens or 0) > limit:
+            return (
+                f"{prompt_tokens} prompt tokens + max_tokens {max_tokens or 0} exceed {model}'s max_model_len {limit}"
+                if prompt_tokens
+                else f"max_tokens {max_tokens} exceeds {model}'s max_model_len {limit}"
+            )
+        return None
+
     def refusal(self) -> JSONResponse | None:
         if self.control.failure is not None:
             return _error(503, f"CrossPool deployment failed: {self.control.failure}", "crosspool_failure")
@@ -119,6 +138,7 @@ class Front:
 
 def create_front(front: Front) -> FastAPI:
     app = FastAPI(title="CrossPool", summary="OpenAI-compatible endpoint of a CrossPool deployment")
+    app.add_middleware(BodyLimit, max_bytes=front.plan.max_request_bytes, on_refused=lambda _: front.count("", 413))
     client = httpx.AsyncClient(timeout=httpx.Timeout(REQUEST_TIMEOUT_S, connect=5.0))
 
     @app.get("/health")
@@ -133,28 +153,40 @@ def create_front(front: Front) -> FastAPI:
     async def forward(request: Request, path: str) -> Response:
         front.inflight += 1
         model = "unknown"
+        response: Response
         try:
             body = await request.body()
             try:
-                model = json.loads(body).get("model")
-            except (json.JSONDecodeError, AttributeError, UnicodeDecodeError):
-                model = "unknown"
-                return _error(400, "request body must be a JSON object with a 'model' field", "invalid_request_error")
-            if not isinstance(model, str) or model not in front.upstreams:
-                return _error(
-                    404, f"model {model!r} is not served; served models: {sorted(front.upstreams)}", "not_found_error"
+                request_json = json.loads(body)
+            except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+                request_json = None
+            if not isinstance(request_json, dict) or not isinstance(request_json.get("model"), str):
+                response = _error(
+                    400, "request body must be a JSON object with a 'model' field", "invalid_request_error"
                 )
-            refusal = front.refusal()
-            if refusal is not None:
-                return refusal
-            try:
-                response = await front.unless_stopping(_forward(body, front.upstreams[model] + path))
-            except Stopping:
-                response = _error(503, f"CrossPool deployment failed: {front.stop_reason()}", "crosspool_failure")
+            elif request_json["model"] not in front.upstreams:
+                served = sorted(front.upstreams)
+                response = _error(
+                    404, f"model {request_json['model']!r} is not served; served models: {served}", "not_found_error"
+                )
+            else:
+                model = request_json["model"]
+                too_long = front.over_length(model, request_json)
+                response = (
+                    _error(400, too_long, "invalid_request_error")
+                    if too_long
+                    else front.refusal() or await _served(body, front.upstreams[model] + path)
+                )
         finally:
             front.inflight -= 1
         front.count(model, response.status_code)
         return response
+
+    async def _served(body: bytes, url: str) -> Response:
+        try:
+            return await front.unless_stopping(_forward(body, url))
+        except Stopping:
+            return _error(503, f"CrossPool deployment failed: {front.stop_reason()}", "crosspool_failure")
 
     async def stream_error(upstream_error: str) -> bytes:
         return _sse_error(await front.failure_message(upstream_error))
@@ -242,8 +274,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--grace-s", type=float, default=10.0)
     args = parser.parse_args(argv)
     die_with_supervisor(noted=True)
-    plan = Plan.model_validate_json(args.plan.read_text())
-    front = Front(plan)
+    plan, secret = load_membership(args.plan)
+    front = Front(plan, secret)
     config = uvicorn.Config(
         create_front(front),
         host=plan.host,

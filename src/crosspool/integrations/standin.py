@@ -41,12 +41,12 @@ class FfnStandIn(nn.Module):
         return out.view(x.shape)
 
 
-def attach_rank(plan: Plan, model_id: str, rank: int) -> None:
+def attach_rank(plan: Plan, secret: str, model_id: str, rank: int) -> None:
     """This rank process's Transport, registered with the daemon and heartbeating; `ffn_shim` uses it.
     Heartbeats are a timestamp in the rank's mailbox (the daemon reads it there with the rank's
     counters): nothing but that store runs in the engine's process for liveness."""
     transport = RankTransport(plan.rank_layout(model_id, rank))
-    ControlClient(plan, "rank", model_id, rank).register()
+    ControlClient(plan, secret, "rank", model_id, rank).register()
 
     def beat() -> None:
         while True:

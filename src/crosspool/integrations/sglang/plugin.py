@@ -25,6 +25,7 @@ from crosspool.integrations.refusals import runtime_problems
 from crosspool.integrations.sglang.options import FAMILIES, UNSUPPORTED
 from crosspool.integrations.standin import FfnStandIn, attach_rank, filter_ffn_weights
 from crosspool.ipc import die_with_supervisor
+from crosspool.member import load_membership
 from crosspool.models.spec import load_ffn_spec
 from crosspool.plan import ModelPlan, Plan
 
@@ -70,7 +71,7 @@ def _attach() -> int:
         raise RuntimeError("CrossPool cannot serve this SGLang configuration: " + "; ".join(problems))
     dp_rank = get_parallel().dp_rank or 0  # None without a DP controller
     rank = dp_rank * model.attention_tp + tp_rank
-    attach_rank(plan, model.id, rank)
+    attach_rank(plan, _state["secret"], model.id, rank)
     group = plan.kv_group(model.id, dp_rank)
     if group is not None:  # the scheduler is being built; its loop starts after
         from crosspool.integrations.sglang import kv
@@ -129,7 +130,7 @@ def register() -> None:
     try:
         die_with_supervisor()  # the server's main process; SGLang's children die with it
         _require_stand_ins()
-        plan = Plan.model_validate_json(Path(plan_path).read_text())
+        plan, secret = load_membership(Path(plan_path))
         model = plan.model(os.environ[envs.MODEL])
         spec = load_ffn_spec(model.path)
         if spec.architecture not in FAMILIES:
@@ -141,6 +142,6 @@ def register() -> None:
         llama.LlamaMLP = CrossPoolFfn  # type: ignore[misc,assignment]
         qwen2.Qwen2MLP = CrossPoolFfn  # type: ignore[misc,assignment]
         qwen3.Qwen3MLP = CrossPoolFfn  # type: ignore[misc,assignment]
-        _state.update(plan=plan, model=model, spec=spec)
+        _state.update(plan=plan, secret=secret, model=model, spec=spec)
     except Exception as e:  # SGLang would swallow it: model construction raises it instead
         _state["error"] = f"{type(e).__name__}: {e}"

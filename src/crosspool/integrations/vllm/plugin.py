@@ -17,6 +17,7 @@ from crosspool.integrations.refusals import runtime_problems
 from crosspool.integrations.standin import FfnStandIn, attach_rank, filter_ffn_weights
 from crosspool.integrations.vllm.options import UNSUPPORTED
 from crosspool.ipc import die_with_supervisor
+from crosspool.member import load_membership
 from crosspool.models.spec import ModelFfnSpec, load_ffn_spec
 from crosspool.plan import ModelPlan, Plan
 
@@ -63,7 +64,7 @@ def _attach() -> None:
     # Each DP rank is its own EngineCore with its own workers (TP ranks 0..tp-1).
     rank = get_current_vllm_config().parallel_config.data_parallel_index * model.attention_tp
     rank += get_tensor_model_parallel_rank()
-    attach_rank(plan, model.id, rank)
+    attach_rank(plan, _state["secret"], model.id, rank)
 
 
 class CrossPoolFfn(FfnStandIn):
@@ -100,10 +101,10 @@ def register() -> None:
     if not plan_path or "plan" in _state:
         return
     die_with_supervisor()  # the API server process; vLLM stops its EngineCore when it goes
-    plan = Plan.model_validate_json(Path(plan_path).read_text())
+    plan, secret = load_membership(Path(plan_path))
     model = plan.model(os.environ[envs.MODEL])
     spec = load_ffn_spec(model.path)
-    _state.update(plan=plan, model=model, spec=spec)
+    _state.update(plan=plan, secret=secret, model=model, spec=spec)
 
     from vllm.model_executor.models import deepseek_v2, llama, qwen2, qwen3, qwen3_moe
 
