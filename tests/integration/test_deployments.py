@@ -13,6 +13,7 @@ real agents, real HTTP; only the ports and the cache root are this test's):
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -308,6 +309,37 @@ def test_killed_member_fails_requests_then_next_generation_serves(mixed, native,
     _ready_generation(d, generation + 1)
     for model in MIXED:
         assert _complete(d.url, model, WORK[0]) == (200, native[model][0])
+
+
+def test_a_stopped_engine_server_fails_the_generation_within_its_bound(mixed, native):
+    """SIGSTOP on the vLLM Instance's API server: the process exists but answers nothing. The
+    daemon's /health probe names it within limits.engine_health_timeout_s (default 10 s); the
+    request it holds ends with 503 once the drain's grace is over; the next generation serves."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from crosspool.bench.procs import role_of
+
+    d = mixed.get()
+    generation = _ready_generation(d, 1)
+    server = d.pid_of(f"Instance '{VLLM}' rank 0")
+    while role_of(server) != "API server":
+        server = int(Path(f"/proc/{server}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    stopped_at = time.monotonic()
+    os.kill(server, signal.SIGSTOP)
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            held = pool.submit(_complete, d.url, VLLM, WORK[0], timeout=60)
+            while (failure := d.status()["failure"]) is None:
+                assert time.monotonic() - stopped_at < 10 + 3, "the stopped engine server was not noticed"
+                time.sleep(0.2)
+            assert f"Instance '{VLLM}' engine server did not answer /health" in failure, failure
+            status, got = held.result(timeout=10 + 10)  # the drain's grace, then the front answers it
+            assert status == 503 and "did not answer /health" in str(got), (status, got)
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # the stop kills it
+            os.kill(server, signal.SIGCONT)
+    _ready_generation(d, generation + 1)
+    assert _complete(d.url, VLLM, WORK[0]) == (200, native[VLLM][0])
 
 
 def test_killed_daemon_ends_everything(mixed, native):

@@ -9,10 +9,11 @@ from it. Bursts go to a, b, a, ... in turn (`--repeats` + 1 bursts of max_num_se
 one token out each; a burst starts once the one before it finished, so the donor is idle): every
 burst after the first makes the daemon move the idle model's capacity down to its floor, less
 what unassigned bytes cover. A transfer's time is the daemon's record: from the lower target to
-the donor's report of its release (prefix-cache eviction and madvise included). `summary`:
-median MiB and seconds of the transfers, the slowest, and the donor RSS given back over the
-bytes its backing dropped. A donor may give in more than one transfer when the burst's demand
-reaches the daemon over more than one tick; each is reported.
+the donor's report of its release (prefix-cache eviction and madvise included). `summary`: the
+largest transfer (MiB, seconds), the median and slowest seconds, whether every transfer reached
+its target, and the donor RSS given back over the bytes its backing dropped. A donor may give
+in more than one transfer when the burst's demand reaches the daemon over more than one tick;
+each is reported.
 """
 
 from __future__ import annotations

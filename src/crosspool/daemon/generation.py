@@ -26,6 +26,7 @@ from crosspool import envs
 from crosspool.config import Deployment
 from crosspool.cpus import place_tree
 from crosspool.daemon.control import ControlState
+from crosspool.daemon.health import EngineProbe
 from crosspool.daemon.kv import KvBudgetError, KvPools
 from crosspool.daemon.supervisor import Child, Supervisor, log
 from crosspool.fabric.inbox import Inbox
@@ -60,6 +61,7 @@ class Generation:
         # Elastic KV channels exist before the engines start: each engine's scheduler attaches at its start.
         self.kv = KvPools(plan) if plan.kv_groups else None
         state.kv = self.kv
+        self.probe: EngineProbe | None = None  # once serving
 
     def log(self, message: str) -> None:
         log(f"generation {self.plan.generation}: {message}")
@@ -244,12 +246,21 @@ class Generation:
                 )
             if death is not None:
                 self.state.fail(death.reason, death.kind)
+            silent = None if self.probe is None else self.probe.silent(self.deployment.limits.engine_health_timeout_s)
+            if silent is not None:
+                model, seconds = silent
+                self.state.fail(
+                    f"Instance '{model}' engine server did not answer /health for {seconds:.0f} s "
+                    f"(limits.engine_health_timeout_s = {self.deployment.limits.engine_health_timeout_s:g})",
+                    "hung",
+                )
         if self.state.failure is not None:
             self.fence(self.state.failure)
         return self.state.failure
 
     def supervise(self) -> str | None:
         """Block until a stop request (None) or the first failure (its reason)."""
+        self.probe = EngineProbe({m.id: m.url for m in self.plan.models})
         while not self.stop.wait(WATCH_S):
             if self.kv is not None:
                 self.kv.tick()
@@ -288,6 +299,8 @@ class Generation:
         self.log(f"requests still in flight after {grace_s:g} s; stopping anyway")
 
     def close(self) -> None:
+        if self.probe is not None:
+            self.probe.close()
         self.sup.stop_all(self.deployment.limits.shutdown_grace_s)
         if self.kv is not None:
             self.kv.close()

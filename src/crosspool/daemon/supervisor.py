@@ -111,6 +111,7 @@ class Supervisor:
             group = [m for m in self.members if m.stop_order == order]
             for m in group:
                 _signal_group(m.proc, signal.SIGTERM)
+                _signal_group(m.proc, signal.SIGCONT)  # a stopped process takes its SIGTERM only once continued
             deadline = time.monotonic() + grace_s
             for m in group:
                 try:

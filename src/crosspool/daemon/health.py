@@ -1,0 +1,47 @@
+"""The daemon's probe of the engines' HTTP servers while they serve: a process that exists but
+does not answer (stopped, deadlocked, starved) holds every request sent to it, so "alive" means
+"answered /health lately". A background thread asks each engine every PROBE_INTERVAL_S, each
+request bounded by PROBE_TIMEOUT_S; the watch loop reads how long each has been silent."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+
+PROBE_INTERVAL_S = 1.0
+PROBE_TIMEOUT_S = 2.0
+
+
+class EngineProbe:
+    def __init__(self, urls: dict[str, str]) -> None:
+        """`urls`: model id -> the Instance's own HTTP server."""
+        self.urls = urls
+        self.last_ok = {model: time.monotonic() for model in urls}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="crosspool-engine-probe", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=PROBE_TIMEOUT_S) as client:
+            while not self._stop.wait(PROBE_INTERVAL_S):
+                for model, url in self.urls.items():
+                    try:
+                        ok = client.get(url + "/health").status_code == 200
+                    except httpx.HTTPError:
+                        ok = False
+                    if ok:
+                        self.last_ok[model] = time.monotonic()
+
+    def silent(self, bound_s: float) -> tuple[str, float] | None:
+        """The first engine that has not answered /health for more than `bound_s`, and for how long."""
+        now = time.monotonic()
+        for model, seen in self.last_ok.items():
+            if now - seen > bound_s:
+                return model, now - seen
+        return None
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=PROBE_TIMEOUT_S + PROBE_INTERVAL_S)
