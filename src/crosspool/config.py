@@ -41,8 +41,8 @@ class Limits(_Strict):
     heartbeat_timeout_s: float = Field(5.0, gt=0, le=120)
     """A member whose heartbeats stop this long (a frozen process) fails the generation."""
     engine_health_timeout_s: float = Field(10.0, ge=3, le=120)
-    """An engine's HTTP server that does not answer /health this long while serving (a stopped or
-    hung process) fails the generation."""
+    """An engine's HTTP server that does not answer the daemon's liveness probe this long while
+    serving (a stopped or hung process) fails the generation."""
     max_request_bytes: int = Field(4 * 2**20, ge=4096, le=2**30)
     """The largest request body the front and the control API accept (413 past it, refused before
     the body is read whole)."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -49,9 +50,17 @@ KILL_BOUND_S = 10.0
 WORK = prompts(49152, 4, seed=1)  # SmolLM2's vocabulary
 
 
-def _live(name: str, tmp_path_factory: pytest.TempPathFactory):
+def _live(name: str, tmp_path_factory: pytest.TempPathFactory, restarts: int | None = None):
+    """examples/NAME.toml, with max_restarts = `restarts` where a module fails it more often."""
+
+    def text(port: int, control: int) -> str:
+        shipped = example_text(name, port, control)
+        if restarts is None:
+            return shipped
+        return re.sub(r"(?m)^max_restarts = \d+", f"max_restarts = {restarts}", shipped)
+
     files, procs = leftover_files(), set(project_processes())
-    live = LiveDeployment(tmp_path_factory.mktemp(name), lambda port, control: example_text(name, port, control), name)
+    live = LiveDeployment(tmp_path_factory.mktemp(name), text, name)
     yield live
     live.close()
     assert_nothing_left(files, 30, procs)
@@ -65,7 +74,7 @@ def demo(smollm2, tmp_path_factory):
 @pytest.fixture(scope="module")
 def mixed(smollm2, tmp_path_factory):
     skip_unless_sglang_path()
-    yield from _live("mixed-engines", tmp_path_factory)
+    yield from _live("mixed-engines", tmp_path_factory, restarts=4)  # three killed members, one stopped server
 
 
 def _chat(url: str, model: str) -> dict:
@@ -313,7 +322,7 @@ def test_killed_member_fails_requests_then_next_generation_serves(mixed, native,
 
 def test_a_stopped_engine_server_fails_the_generation_within_its_bound(mixed, native):
     """SIGSTOP on the vLLM Instance's API server: the process exists but answers nothing. The
-    daemon's /health probe names it within limits.engine_health_timeout_s (default 10 s); the
+    daemon's liveness probe names it within limits.engine_health_timeout_s (default 10 s); the
     request it holds ends with 503 once the drain's grace is over; the next generation serves."""
     from concurrent.futures import ThreadPoolExecutor
 
@@ -332,9 +341,9 @@ def test_a_stopped_engine_server_fails_the_generation_within_its_bound(mixed, na
             while (failure := d.status()["failure"]) is None:
                 assert time.monotonic() - stopped_at < 10 + 3, "the stopped engine server was not noticed"
                 time.sleep(0.2)
-            assert f"Instance '{VLLM}' engine server did not answer /health" in failure, failure
+            assert f"Instance '{VLLM}' engine server did not answer for" in failure, failure
             status, got = held.result(timeout=10 + 10)  # the drain's grace, then the front answers it
-            assert status == 503 and "did not answer /health" in str(got), (status, got)
+            assert status == 503 and "engine server did not answer for" in str(got), (status, got)
     finally:
         with contextlib.suppress(ProcessLookupError):  # the stop kills it
             os.kill(server, signal.SIGCONT)

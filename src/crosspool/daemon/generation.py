@@ -250,7 +250,7 @@ class Generation:
             if silent is not None:
                 model, seconds = silent
                 self.state.fail(
-                    f"Instance '{model}' engine server did not answer /health for {seconds:.0f} s "
+                    f"Instance '{model}' engine server did not answer for {seconds:.0f} s "
                     f"(limits.engine_health_timeout_s = {self.deployment.limits.engine_health_timeout_s:g})",
                     "hung",
                 )
@@ -260,7 +260,7 @@ class Generation:
 
     def supervise(self) -> str | None:
         """Block until a stop request (None) or the first failure (its reason)."""
-        self.probe = EngineProbe({m.id: m.url for m in self.plan.models})
+        self.probe = EngineProbe({m.id: m.url + launcher(m.engine).LIVENESS_PATH for m in self.plan.models})
         while not self.stop.wait(WATCH_S):
             if self.kv is not None:
                 self.kv.tick()

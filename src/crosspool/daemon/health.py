@@ -1,7 +1,8 @@
 """The daemon's probe of the engines' HTTP servers while they serve: a process that exists but
 does not answer (stopped, deadlocked, starved) holds every request sent to it, so "alive" means
-"answered /health lately". A background thread asks each engine every PROBE_INTERVAL_S, each
-request bounded by PROBE_TIMEOUT_S; the watch loop reads how long each has been silent."""
+"answered lately". A background thread asks each engine's liveness URL (the integration's
+LIVENESS_PATH) every PROBE_INTERVAL_S, each request bounded by PROBE_TIMEOUT_S; the watch loop
+reads how long each has been silent."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ PROBE_TIMEOUT_S = 2.0
 
 class EngineProbe:
     def __init__(self, urls: dict[str, str]) -> None:
-        """`urls`: model id -> the Instance's own HTTP server."""
+        """`urls`: model id -> the liveness URL of the Instance's own HTTP server."""
         self.urls = urls
         self.last_ok = {model: time.monotonic() for model in urls}
         self._stop = threading.Event()
@@ -28,7 +29,7 @@ class EngineProbe:
             while not self._stop.wait(PROBE_INTERVAL_S):
                 for model, url in self.urls.items():
                     try:
-                        ok = client.get(url + "/health").status_code == 200
+                        ok = client.get(url).status_code == 200
                     except httpx.HTTPError:
                         ok = False
                     if ok:

@@ -20,6 +20,9 @@ class EngineLauncher(Protocol):
     VERSION: str
     ARCHITECTURES: tuple[str, ...] | None
     """The architectures CrossPool serves through this engine; None: every family in crosspool.models."""
+    LIVENESS_PATH: str
+    """What the daemon asks every second while the engine serves: its HTTP server answers 200 without
+    work for the engine's scheduler."""
 
     def host_problems(self) -> list[str]:
         """Why the engine's CPU path on this host is not one the FFN pool reproduces (empty: it is)."""

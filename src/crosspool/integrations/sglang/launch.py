@@ -20,6 +20,10 @@ from crosspool.models.spec import ActivationMath, dtype_bytes
 
 ENGINE = "sglang"
 VERSION = "0.5.23"
+# SGLang's /health runs a one-token generation through the scheduler and answers after at least
+# 1 s (entrypoints/http_server.py health_generate): asked every second it would load the scheduler
+# and time out under load. /v1/models is answered by the HTTP server alone.
+LIVENESS_PATH = "/v1/models"
 ARCHITECTURES: tuple[str, ...] | None = FAMILIES
 
 

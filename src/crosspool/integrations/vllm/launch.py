@@ -15,6 +15,7 @@ from crosspool.models.spec import ActivationMath
 
 ENGINE = "vllm"
 VERSION = "0.32.0"
+LIVENESS_PATH = "/health"  # answered by the API server: 200 unless the engine has errored
 ARCHITECTURES: tuple[str, ...] | None = None  # every family in crosspool.models
 
 
