@@ -92,7 +92,6 @@ class KvPools:
         self.channels = {g.name: KvChannel(g.name, create=True) for g in plan.kv_groups}
         self.shrinks: dict[str, _Shrink] = {}
         self.recent: dict[str, deque[KvTransfer]] = {p.device: deque(maxlen=RECENT_TRANSFERS) for p in plan.kv_pools}
-        self.transfers = 0
 
     def _groups(self, device: str) -> list[KvGroupPlan]:
         return [g for g in self.plan.kv_groups if g.device == device]
@@ -137,7 +136,6 @@ class KvPools:
             attached = [s for s in states if s is not None]
             for name, target in arbitrate(pool.budget_bytes, attached).items():
                 self.channels[name].command(target)
-                self.transfers += 1
             for g, s in zip(groups, attached, strict=True):
                 shrinking = s.backed_blocks > self.channels[s.name].target  # the target just sent counts
                 shrink = self.shrinks.get(s.name)
