@@ -29,6 +29,11 @@ def attach(transport: FfnTransport) -> None:
     _transport = transport
 
 
+def detach() -> None:
+    global _transport
+    _transport = None
+
+
 def attached() -> bool:
     return _transport is not None
 
@@ -46,4 +51,5 @@ def _fake(hidden: torch.Tensor, out: torch.Tensor, layer: int) -> None:
 _lib = torch.library.Library("crosspool", "DEF")
 _lib.define("ffn_shim(Tensor hidden, Tensor(a!) out, int layer) -> ()")
 _lib.impl("ffn_shim", ffn_shim, "CPU")
+_lib.impl("ffn_shim", ffn_shim, "CUDA")
 torch.library.register_fake("crosspool::ffn_shim", _fake, lib=_lib)

@@ -30,12 +30,14 @@ def test_pool_moe_kernel_is_the_one_vllm_selects(monkeypatch, amx):
 @pytest.mark.parametrize("amx", [False, True])
 def test_pool_linear_kernel_is_the_one_vllm_dispatches(monkeypatch, amx):
     """vLLM packs small bf16 weights for its AMX kernel (`weight_packed_linear`) on AMX CPUs and
-    keeps larger ones on oneDNN; the pool's linear follows the same dispatch. The packing op is
-    stubbed: it is not run on a CPU without AMX."""
+    keeps larger ones on oneDNN; the pool's linear follows the same dispatch. The packing and
+    packed-GEMM ops are stubbed: they are not run on a CPU without AMX, and vLLM's AVX2 build
+    has neither (an AVX-512 build has both)."""
     from crosspool.integrations.vllm.kernels import linear
 
     _amx(monkeypatch, amx)
     monkeypatch.setattr(torch.ops._C, "convert_weight_packed", lambda w: w, raising=False)
+    monkeypatch.setattr(torch.ops._C, "weight_packed_linear", lambda *args: None, raising=False)
     small, large = torch.zeros(64, 128, dtype=torch.bfloat16), torch.zeros(1536, 576, dtype=torch.bfloat16)
     assert (linear(small).__name__ == "run_packed") == amx
     assert linear(large).__name__ != "run_packed"

@@ -16,6 +16,7 @@ BENCHES = {
     "executor": ("crosspool.bench.executor", "one FFN layer through the pool vs the same MLP in process"),
     "serve": ("crosspool.bench.serve", "load runner: Poisson or trace arrivals, CrossPool and the native engines"),
     "elastic-kv": ("crosspool.bench.elastic_kv", "two models, out-of-phase bursts: fixed KV split vs elastic KV"),
+    "cuda": ("crosspool.bench.cuda", "CUDA data plane on one GPU: round trip, executor, decode step in/out of process"),
     "kv-transfer": ("crosspool.bench.kv_transfer", "an idle donor's KV capacity moved to a burst: seconds, RSS"),
 }
 

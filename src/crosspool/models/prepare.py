@@ -33,7 +33,7 @@ def _save_checkpoint(model: Any, out: Path, dtype: torch.dtype) -> None:
     for name, tensor in tqdm(model.state_dict().items(), desc="converting tensors", unit="tensor", leave=False):
         if tied and name == "lm_head.weight":
             continue
-        state[name] = tensor.detach().to(dtype).contiguous().clone()
+        state[name] = tensor.detach().to("cpu", dtype).contiguous().clone()
     save_file(state, out / "model.safetensors", metadata={"format": "pt"})
 
 
@@ -89,11 +89,19 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 
 
 def make_tiny_checkpoint(
-    family: str, out: Path, *, seed: int = 0, layers: int = 2, tokenizer: Path | None = None
+    family: str,
+    out: Path,
+    *,
+    seed: int = 0,
+    layers: int = 2,
+    tokenizer: Path | None = None,
+    shape: dict[str, Any] | None = None,
+    device: str = "cpu",
 ) -> Path:
     """A tiny random checkpoint (bf16) of a supported family; same seed, same bytes. With
     `tokenizer` (a checkpoint dir) it gets that tokenizer and its vocabulary size, so an
-    OpenAI server can serve it."""
+    OpenAI server can serve it. `shape` overrides config fields (a GPU-sized model: hidden size,
+    heads, initializer range), initialised on `device`."""
     if (out / DONE_MARKER).exists():
         return out
     import transformers
@@ -110,10 +118,11 @@ def make_tiny_checkpoint(
         tie_word_embeddings=False,
         initializer_range=0.2,
     )
+    common.update(shape or {})
     configs = {
         "llama": lambda: transformers.LlamaConfig(**common, architectures=["LlamaForCausalLM"]),
         "qwen2": lambda: transformers.Qwen2Config(**common, architectures=["Qwen2ForCausalLM"]),
-        "qwen3": lambda: transformers.Qwen3Config(**common, head_dim=32, architectures=["Qwen3ForCausalLM"]),
+        "qwen3": lambda: transformers.Qwen3Config(**{"head_dim": 32, **common}, architectures=["Qwen3ForCausalLM"]),
         # Dense, MoE, dense: a transition each way.
         "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
             **{**common, "num_hidden_layers": max(layers, 3)},
@@ -148,7 +157,8 @@ def make_tiny_checkpoint(
     if family not in configs:
         raise ValueError(f"unknown family {family!r}; tiny checkpoints exist for {', '.join(TINY_FAMILIES)}")
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(configs[family]())
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(configs[family]())
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

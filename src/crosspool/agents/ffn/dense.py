@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from crosspool.kernels import LinearFactory
+from crosspool.kernels import Linear, LinearFactory
 from crosspool.models.spec import ActivationMath
 
 
@@ -27,17 +27,24 @@ class GatedDenseFfn:
         down: torch.Tensor,
         activation_math: ActivationMath,
         linear: LinearFactory,
+        fuse_gate_up: bool = True,
     ) -> None:
         assert gate.shape == up.shape and down.shape == (gate.shape[1], gate.shape[0])
         self.intermediate = gate.shape[0]
         self.fp32_activation = activation_math == "fp32"
-        self.gate_up = linear(torch.cat([gate, up], dim=0).contiguous())
+        # Two GEMMs where the engine runs them apart: a GPU GEMM's reduction order can depend on N.
+        self.gate_up = linear(torch.cat([gate, up], dim=0).contiguous()) if fuse_gate_up else None
+        self.gate: Linear | None = None if fuse_gate_up else linear(gate.contiguous())
+        self.up: Linear | None = None if fuse_gate_up else linear(up.contiguous())
         self.down = linear(down.contiguous())
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """The FFN of `x`, written into `out` when given (the down GEMM writes it directly)."""
-        gate_up = self.gate_up(x)
+        if self.gate_up is not None:
+            gate, up = self.gate_up(x).split(self.intermediate, dim=-1)
+        else:
+            assert self.gate is not None and self.up is not None
+            gate, up = self.gate(x), self.up(x)
         if self.fp32_activation:
-            gate_up = gate_up.float()
-        gate, up = gate_up.split(self.intermediate, dim=-1)
+            gate, up = gate.float(), up.float()
         return self.down((F.silu(gate) * up).to(x.dtype), out)

@@ -45,10 +45,14 @@ def load_layers(
     kernels: EngineKernels,
     layers: list[int] | None = None,
     shards: dict[int, tuple[int, int]] | None = None,
+    *,
+    device: torch.device | str = "cpu",
+    fuse_gate_up: bool = True,
 ) -> dict[int, LayerExecutor]:
-    """The FFNs of `layers` (default: all) with the engine's arithmetic and kernels. With
-    `shards[layer] = (index, count)` only that tensor-parallel shard is read from the checkpoint:
-    one slice of the intermediate dimension of every dense FFN and routed or shared expert."""
+    """The FFNs of `layers` (default: all) with the engine's arithmetic and kernels, on `device`.
+    With `shards[layer] = (index, count)` only that tensor-parallel shard is read from the
+    checkpoint: one slice of the intermediate dimension of every dense FFN and routed or shared
+    expert. `fuse_gate_up=False` keeps a dense FFN's gate and up GEMMs apart (see GatedDenseFfn)."""
     chosen = [spec.layers[i] for i in (range(len(spec.layers)) if layers is None else layers)]
     wanted: dict[str, list[tuple[str, LayerFfn]]] = {}
     sliced = {layer.layer: _sliced(layer) for layer in chosen}
@@ -68,15 +72,15 @@ def load_layers(
                     tensor = f.get_slice(key)[:, start:end] if dim else f.get_slice(key)[start:end]
                 # The routing correction bias stays fp32, as engines keep it.
                 bias = isinstance(layer, ffn_spec.MoeFfn) and key == layer.bias_key
-                t[key] = tensor.float() if bias else tensor.to(DTYPES[dtype])
-    return {layer.layer: _executor(layer, t, activation_math, kernels) for layer in chosen}
+                t[key] = tensor.to(device, torch.float32 if bias else DTYPES[dtype])
+    return {layer.layer: _executor(layer, t, activation_math, kernels, fuse_gate_up) for layer in chosen}
 
 
 def _executor(
-    layer: LayerFfn, t: dict[str, torch.Tensor], math: ActivationMath, kernels: EngineKernels
+    layer: LayerFfn, t: dict[str, torch.Tensor], math: ActivationMath, kernels: EngineKernels, fuse_gate_up: bool
 ) -> LayerExecutor:
     def dense(d: ffn_spec.GatedDenseFfn) -> GatedDenseFfn:
-        return GatedDenseFfn(t[d.gate_key], t[d.up_key], t[d.down_key], math, kernels.linear)
+        return GatedDenseFfn(t[d.gate_key], t[d.up_key], t[d.down_key], math, kernels.linear, fuse_gate_up)
 
     if isinstance(layer, ffn_spec.GatedDenseFfn):
         return dense(layer)
