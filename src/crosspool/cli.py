@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import sys
 from pathlib import Path
@@ -245,6 +246,10 @@ def main(argv: list[str] | None = None) -> None:
         code = args.func(args)
     except ConfigError as e:
         code = _fail(str(e))
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        code = _fail(f"{e.strerror}" + (f": {e.filename}" if e.filename else ""))
     sys.exit(code)
 
 

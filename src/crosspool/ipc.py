@@ -12,10 +12,12 @@ word" is enough between processes; other architectures would need explicit fence
 from __future__ import annotations
 
 import ctypes
+import errno
 import functools
 import mmap
 import os
 import select
+import shutil
 import signal
 import socket
 import threading
@@ -170,6 +172,28 @@ class SegmentMissing(FileNotFoundError):
     """A shared-memory segment to attach to does not exist (never created, or already unlinked)."""
 
 
+class ShmFull(OSError):
+    """/dev/shm cannot hold a segment (or the segments a deployment plans)."""
+
+
+SHM_MARGIN_BYTES = 64 << 20
+"""Room left in /dev/shm beyond CrossPool's own segments: the engines' own (vLLM's message queues,
+SGLang's and torch's) come and go there too."""
+
+
+def shm_shortage(needed: int) -> str | None:
+    """Why /dev/shm cannot take `needed` more bytes plus `SHM_MARGIN_BYTES` (None: it can)."""
+    free = shutil.disk_usage(SHM_DIR).free
+    if free >= needed + SHM_MARGIN_BYTES:
+        return None
+    mib = 1 << 20
+    return (
+        f"{SHM_DIR} has {free / mib:.0f} MiB free; this deployment's shared memory needs "
+        f"{needed / mib:.0f} MiB plus {SHM_MARGIN_BYTES / mib:.0f} MiB for the engines (free space there, "
+        f"or give the container a larger /dev/shm, e.g. docker --shm-size)"
+    )
+
+
 class Segment:
     """One named shared-memory segment, mapped read-write; u32 words and tensor views over it."""
 
@@ -184,7 +208,17 @@ class Segment:
             raise SegmentMissing(f"shared-memory segment {name!r} does not exist") from None
         try:
             if create:
-                os.ftruncate(fd, size)
+                try:  # pages for real now: a full /dev/shm fails here, not as SIGBUS mid-serving
+                    os.posix_fallocate(fd, 0, size)
+                except OSError as e:
+                    self.path.unlink(missing_ok=True)
+                    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                        raise ShmFull(
+                            e.errno,
+                            f"{SHM_DIR} has no room for segment {name!r} ({size} bytes; "
+                            f"{shutil.disk_usage(SHM_DIR).free} free)",
+                        ) from None
+                    raise
             else:
                 size = os.fstat(fd).st_size
             self.size = size

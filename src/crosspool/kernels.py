@@ -24,9 +24,15 @@ LinearFactory = Callable[[torch.Tensor], Linear]
 
 
 def plain_linear(weight: torch.Tensor) -> Linear:
-    """`F.linear`: the kernel of engines that compute their linears with plain torch on this CPU."""
+    """`F.linear`: the kernel of engines that compute their linears with plain torch on this CPU,
+    and of the GPU lanes. On CUDA, `F.linear` of a 2D input without bias is `mm(x, weight.T)`,
+    one cuBLAS call, which can write `out` directly; on CPU the result is copied (F.linear may
+    take another kernel there than mm)."""
+    transposed = weight.t()
 
     def run(x: torch.Tensor, out: torch.Tensor | None = None, /) -> torch.Tensor:
+        if out is not None and x.is_cuda:
+            return torch.mm(x, transposed, out=out)
         y = F.linear(x, weight)
         return y if out is None else out.copy_(y)
 

@@ -38,6 +38,7 @@ from conftest import (
 )
 from crosspool.config import parse_deployment
 from crosspool.integrations.offline import generate_in_child, side_by_side
+from crosspool.ipc import bind_port
 from crosspool.qualify.serving import executed_per_model, prompts
 
 pytestmark = pytest.mark.engine
@@ -184,6 +185,34 @@ def test_demo_stops_cleanly(demo):
         with socket.socket() as probe:
             assert probe.connect_ex(("127.0.0.1", port)) != 0, f"port {port} still listens"
     # the fixture then checks that no process and no shared-memory segment is left
+
+
+def test_a_sigterm_during_startup_exits_0_and_leaves_nothing(smollm2, tmp_path, no_leftovers):
+    port, control = bind_port("127.0.0.1"), bind_port("127.0.0.1")
+    file = tmp_path / "startup.toml"
+    file.write_text(example_text("smollm2", port, control))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "crosspool", "daemon", str(file)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while True:  # until some members of the first generation registered, the rest still starting
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.stderr else ""
+            with contextlib.suppress(httpx.HTTPError):
+                status = httpx.get(f"http://127.0.0.1:{control}/status", timeout=2).json()
+                if status["phase"] == "starting" and any(m["registered"] for m in status["members"]):
+                    break
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=90)
+        assert code == 0, proc.stderr.read() if proc.stderr else ""
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 @pytest.fixture(scope="module")

@@ -243,6 +243,9 @@ def decode(checkpoint: Path, env: dict[str, str], steps: int) -> dict[str, Any]:
                         row = out[mode][str(b)]
                         row["pool_step_ms"] = percentiles(times[2:])
                         row["pool_over_in_process"] = row["pool_step_ms"]["p50"] / row["in_process_step_ms"]["p50"]
+                        row["pool_minus_in_process_per_layer_us"] = (
+                            1e3 * (row["pool_step_ms"]["p50"] - row["in_process_step_ms"]["p50"]) / layers
+                        )
                         row["tokens_identical"] = bool(torch.equal(tokens, native[mode, b]))
                         row["distinct_tokens"] = int(tokens.unique().numel())
             finally:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -22,8 +23,10 @@ from crosspool.cpus import pin_process
 from crosspool.daemon.control import ControlState, create_control_app
 from crosspool.daemon.generation import Generation, StartupError
 from crosspool.daemon.supervisor import log
-from crosspool.ipc import EngineFiles, Stop, bind_port
+from crosspool.ipc import EngineFiles, Stop, bind_port, shm_shortage
+from crosspool.plan import Plan
 from crosspool.resolve import Resolved
+from crosspool.transport.mailbox import mailbox_size
 
 
 def no_restart(d: Deployment, generation: int, failure_kind: str | None, restarts: int, stopping: bool) -> str | None:
@@ -61,8 +64,9 @@ class Daemon:
         self.server = uvicorn.Server(uvicorn.Config(app, host=d.host, port=d.control, log_level="warning"))
         thread = threading.Thread(target=self.server.run, name="control-api", daemon=True)
         thread.start()
+        deadline = time.monotonic() + CONTROL_START_S
         while not self.server.started:
-            if not thread.is_alive():
+            if not thread.is_alive() or time.monotonic() > deadline:
                 raise StartupError(f"control API could not listen on {d.host}:{d.control}")
             time.sleep(0.02)
 
@@ -86,9 +90,10 @@ class Daemon:
             try:
                 gen.start()
             except StartupError as e:
-                self.state.fail(str(e), "startup")
+                if not self.stop.is_set():  # a stop request during startup is a stop, not a failure
+                    self.state.fail(str(e), "startup")
             reason = self.state.failure
-            if reason is None:
+            if reason is None and not self.stop.is_set():
                 print(
                     f"crosspool: ready in {time.monotonic() - started:.1f} s: {self.state.endpoint} serving "
                     f"{', '.join(m.id for m in d.model)} (generation {gen.plan.generation})",
@@ -135,7 +140,20 @@ def running_pool(resolved: Resolved) -> Iterator[Generation]:
         daemon.close()
 
 
+CONTROL_START_S = 10.0
+
+
+def planned_shm_bytes(plan: Plan) -> int:
+    """Bytes of /dev/shm a generation's own segments take: the rank mailboxes (the inboxes and
+    elastic-KV channels are a few KiB each)."""
+    return sum(mailbox_size(mb.max_rows, mb.hidden, mb.dtype, mb.shards) for mb in plan.mailboxes)
+
+
 def run_daemon(resolved: Resolved) -> int:
+    shortage = shm_shortage(planned_shm_bytes(resolved.plan()))
+    if shortage is not None:
+        print(f"crosspool: error: {shortage}", file=sys.stderr, flush=True)
+        return 2
     # The daemon is off the layer-call path: its threads (control API, output forwarders, the
     # watch loop) run on the control CPUs, and it starts each member on the member's own.
     pin_process(os.getpid(), resolved.cpus.control)

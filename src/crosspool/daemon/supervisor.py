@@ -6,13 +6,14 @@ EngineCore and workers). Output is forwarded line by line with the member's name
 TMPDIR (the engines put their ZeroMQ ipc:// socket files there and leave them when killed).
 After the stop, the deployment's shared memory is unlinked, that directory removed and engine
 leftovers created during the run (multiprocessing semaphores of killed vLLM processes) are
-removed from /dev/shm, so nothing stays behind.
+removed from /dev/shm, so nothing stays behind. Every wait here is bounded.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import queue
 import shutil
 import signal
 import subprocess
@@ -27,6 +28,10 @@ from typing import TextIO
 from crosspool import envs
 from crosspool.cpus import running_on
 from crosspool.ipc import GROUP_GONE_S, EngineFiles, unlink_segments, wait_groups_gone
+
+OUTPUT_BACKLOG = 10_000
+"""Lines of member output held for a slow sink before lines are dropped."""
+KILL_WAIT_S = 10.0
 
 
 def log(message: str) -> None:
@@ -59,12 +64,33 @@ class Supervisor:
         self.stopped = False
         self.tmp_dir = Path(tempfile.mkdtemp(prefix=f"{shm_prefix}members-"))
 
-    def _forward(self, member: Child, stream: object, sink: TextIO) -> None:
+    def _drain(self, member: Child, stream: object, lines: queue.Queue[str | None]) -> None:
+        """Read the member's output as it comes, whatever the sink does: a member never blocks on
+        a full pipe. Past `OUTPUT_BACKLOG` lines waiting for the sink, lines are dropped (counted)."""
+        dropped = 0
         for raw in iter(stream.readline, b""):  # type: ignore[attr-defined]
             line = raw.decode(errors="replace").rstrip()
             if "] error: " in line and line.startswith("["):
                 member.errors.append(line.split("] error: ", 1)[1])
-            print(f"{member.name}| {line}", file=sink, flush=True)
+            try:
+                if dropped:
+                    lines.put_nowait(f"{member.name}| ({dropped} lines dropped: the daemon's output was not read)")
+                    dropped = 0
+                lines.put_nowait(f"{member.name}| {line}")
+            except queue.Full:
+                dropped += 1
+        with contextlib.suppress(queue.Full):  # a writer stuck on its sink never ends anyway
+            lines.put_nowait(None)
+
+    @staticmethod
+    def _write(lines: queue.Queue[str | None], sink: TextIO) -> None:
+        writable = True
+        while (line := lines.get()) is not None:
+            if writable:
+                try:
+                    print(line, file=sink, flush=True)
+                except (OSError, ValueError):  # the sink was closed: keep draining, stop writing
+                    writable = False
 
     def start(
         self,
@@ -89,8 +115,9 @@ class Supervisor:
             )
         member = Child(name, proc, stop_order)
         self.members.append(member)
-        forward = (member, proc.stdout, sink or sys.stderr)
-        threading.Thread(target=self._forward, args=forward, daemon=True).start()
+        lines: queue.Queue[str | None] = queue.Queue(OUTPUT_BACKLOG)
+        threading.Thread(target=self._drain, args=(member, proc.stdout, lines), daemon=True).start()
+        threading.Thread(target=self._write, args=(lines, sink or sys.stderr), daemon=True).start()
         return member
 
     def exited(self) -> Child | None:
@@ -120,7 +147,10 @@ class Supervisor:
                     log(f"{m.name} did not stop within {grace_s:g} s; killing it")
                 # The group may hold children that outlived the leader.
                 _signal_group(m.proc, signal.SIGKILL)
-                m.proc.wait()
+                try:
+                    m.proc.wait(timeout=KILL_WAIT_S)
+                except subprocess.TimeoutExpired:  # in uninterruptible sleep: _cleanup reports the group
+                    log(f"{m.name} still ran {KILL_WAIT_S:g} s after SIGKILL")
         self._cleanup()
 
     def _cleanup(self) -> None:

@@ -6,10 +6,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Literal
+from typing import Any, Literal
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 """The model dtypes CrossPool serves, by their deployment-file names."""
@@ -124,17 +124,33 @@ def supported_architectures() -> list[str]:
     return sorted(arch for family in _families() for arch in family.ARCHITECTURES)
 
 
+def _json(file: Path) -> dict[str, Any]:
+    try:
+        value = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelSpecError(f"{file} is not readable JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ModelSpecError(f"{file} holds {type(value).__name__}, not a JSON object")
+    return value
+
+
 def checkpoint_keys(path: Path) -> dict[str, str]:
     index = path / "model.safetensors.index.json"
     if index.exists():
-        return dict(json.loads(index.read_text())["weight_map"])
+        weight_map = _json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ModelSpecError(f"{index} has no weight_map object")
+        return {str(k): str(v) for k, v in weight_map.items()}
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelSpecError(f"no safetensors weights in {path}")
     keys: dict[str, str] = {}
     for file in files:
-        with safe_open(file, framework="pt") as f:
-            keys.update(dict.fromkeys(f.keys(), file.name))
+        try:  # safetensors checks at open that the data covers every tensor: a truncated file fails here
+            with safe_open(file, framework="pt") as f:
+                keys.update(dict.fromkeys(f.keys(), file.name))
+        except (SafetensorError, OSError) as e:
+            raise ModelSpecError(f"{file} is not a complete safetensors file: {e}") from None
     return keys
 
 
@@ -215,14 +231,19 @@ def load_ffn_spec(path: Path) -> ModelFfnSpec:
     config_file = path / "config.json"
     if not config_file.is_file():
         raise ModelSpecError(f"no config.json in {path}")
-    config = json.loads(config_file.read_text())
+    config = _json(config_file)
     architectures = config.get("architectures") or []
     for family in _families():
         for arch in architectures:
             if arch in family.ARCHITECTURES:
                 keys = checkpoint_keys(path)
-                layers = family.ffn_layers(config, keys)
-                return ModelFfnSpec(path, arch, int(config["hidden_size"]), layers, keys)
+                try:
+                    layers = family.ffn_layers(config, keys)
+                    return ModelFfnSpec(path, arch, int(config["hidden_size"]), layers, keys)
+                except ModelSpecError:
+                    raise
+                except (KeyError, TypeError, ValueError) as e:
+                    raise ModelSpecError(f"{config_file} does not describe a {arch}: {type(e).__name__} {e}") from None
     raise ModelSpecError(
         f"architecture {architectures} is not supported; supported: {', '.join(supported_architectures())}"
     )
