@@ -163,8 +163,14 @@ class Deployment(_Strict):
     control_port: int | None = Field(None, ge=1024, le=65535)
     """The daemon's control API (loopback); default: port + 1."""
     restart: bool = False
-    """After a failure, start a new generation instead of stopping (at most max_restarts times)."""
+    """After a failure, start a new generation instead of stopping (at most max_restarts times
+    within restart_window_s, each after a backoff)."""
     max_restarts: int = Field(3, ge=0, le=100)
+    restart_window_s: float = Field(600.0, gt=0)
+    """max_restarts counts the restarts of the last restart_window_s seconds: a deployment that
+    fails rarely restarts forever, one that keeps failing stops."""
+    restart_backoff_s: float = Field(1.0, ge=0, le=60)
+    """Wait before the first restart of a window; doubled for each further one, at most 60 s."""
     limits: Limits = Limits()
     control_cpus: list[Cpu] | None = Field(None, min_length=1)
     """CPUs of the roles off the layer-call path: the daemon, the front, the AtnAgents and the engines'

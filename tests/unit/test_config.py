@@ -160,15 +160,16 @@ def test_sglang_command_and_refusals(tiny_models):
 
 
 def test_restart_decision(tiny_models):
-    from crosspool.daemon.daemon import no_restart
+    from crosspool.daemon.daemon import no_restart, restart_backoff_s
 
     d = parse_deployment(_toml(tiny_models["qwen3"], extra="restart = true\nmax_restarts = 2"))
     assert no_restart(d, 2, "exit", 1, False) is None
-    assert no_restart(d, 3, "heartbeat", 2, False) == "max_restarts = 2 reached"
+    assert no_restart(d, 3, "heartbeat", 2, False) == "max_restarts = 2 reached within restart_window_s = 600"
     assert no_restart(d, 1, "startup", 0, False) is not None  # a configuration problem: not retried
     assert no_restart(d, 1, "exit", 0, False) is None  # a member of a started first generation failed
     assert no_restart(d, 2, "exit", 0, True) == "a stop was requested"
     assert no_restart(parse_deployment(_toml(tiny_models["qwen3"])), 1, "exit", 0, False) == "restart = false"
+    assert [restart_backoff_s(d, n) for n in (0, 1, 2, 10)] == [1.0, 2.0, 4.0, 60.0]
 
 
 def test_every_example_deployment_resolves(smollm2, tiny_served):

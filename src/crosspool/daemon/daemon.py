@@ -29,17 +29,28 @@ from crosspool.resolve import Resolved
 from crosspool.transport.mailbox import mailbox_size
 
 
-def no_restart(d: Deployment, generation: int, failure_kind: str | None, restarts: int, stopping: bool) -> str | None:
-    """Why a failed generation is not followed by the next one (the daemon exits 1), or None."""
+MAX_BACKOFF_S = 60.0
+
+
+def no_restart(
+    d: Deployment, generation: int, failure_kind: str | None, recent_restarts: int, stopping: bool
+) -> str | None:
+    """Why a failed generation is not followed by the next one (the daemon exits 1), or None.
+    `recent_restarts`: the restarts within `restart_window_s`."""
     if not d.restart:
         return "restart = false"
     if generation == 1 and failure_kind == "startup":
         return "the first generation failed to start (a configuration problem, not a member failure)"
     if stopping:
         return "a stop was requested"
-    if restarts >= d.max_restarts:
-        return f"max_restarts = {d.max_restarts} reached"
+    if recent_restarts >= d.max_restarts:
+        return f"max_restarts = {d.max_restarts} reached within restart_window_s = {d.restart_window_s:g}"
     return None
+
+
+def restart_backoff_s(d: Deployment, recent_restarts: int) -> float:
+    """How long to wait before the next restart: doubling with each restart in the window."""
+    return float(min(MAX_BACKOFF_S, d.restart_backoff_s * 2**recent_restarts))
 
 
 class Daemon:
@@ -51,6 +62,7 @@ class Daemon:
         self.server: uvicorn.Server | None = None
         self.generation: Generation | None = None
         self.engine_files = EngineFiles.now()
+        self.restart_times: list[float] = []  # monotonic times of the restarts in the current window
 
     def start_control(self, *, front: bool = True) -> None:
         d = self.deployment
@@ -110,10 +122,19 @@ class Daemon:
             gen.drain(d.limits.shutdown_grace_s)
             gen.close()
             state = self.state
-            refusal = no_restart(d, gen.plan.generation, state.failure_kind, state.restarts, self.stop.is_set())
+            now = time.monotonic()
+            self.restart_times = [t for t in self.restart_times if now - t < d.restart_window_s]
+            recent = len(self.restart_times)
+            refusal = no_restart(d, gen.plan.generation, state.failure_kind, recent, self.stop.is_set())
+            if refusal is None:
+                backoff = restart_backoff_s(d, recent)
+                log(f"restarting in {backoff:g} s ({recent} restart(s) in the last {d.restart_window_s:g} s)")
+                if self.stop.wait(backoff):
+                    refusal = "a stop was requested"
             if refusal is not None:
                 log(f"not restarting: {refusal}")
                 return 1
+            self.restart_times.append(time.monotonic())
             self.state.restarts += 1
             log(f"generation {gen.plan.generation} retired after: {reason}; restarting")
 
