@@ -28,7 +28,6 @@ from crosspool.plan import Plan
 from crosspool.resolve import Resolved
 from crosspool.transport.mailbox import mailbox_size
 
-
 MAX_BACKOFF_S = 60.0
 
 
