@@ -98,6 +98,15 @@ def wait_word(stream: torch.cuda.Stream, address: int, value: int) -> None:
     )
 
 
+def _make_current(device: int) -> None:
+    """Make the device's primary context (torch's) current on this thread: driver calls need one,
+    and torch creates and sets it lazily, at its first kernel or allocation there."""
+    torch.cuda.init()
+    (dev,) = _ok(cu.cuDeviceGet(device), "cuDeviceGet")
+    (ctx,) = _ok(cu.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
+    _ok(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+
+
 def _register_host(seg: Segment) -> int:
     """Pin the segment's pages and map them into this process's CUDA address space; the device
     address of its first byte."""
@@ -167,8 +176,8 @@ class DeviceMailbox:
         self.input = _wrap(address + FLAGS_BYTES, planes, dtype, layout.device)
         self.output = _wrap(address + FLAGS_BYTES + layout.plane_bytes, planes, dtype, layout.device)
         self.layers = host.words[H_LAYERS]
-        with torch.cuda.device(self.device):
-            self.host_dev = _register_host(host)
+        _make_current(layout.device)
+        self.host_dev = _register_host(host)
         self.flags_dev = address
         self._closed = False
 
@@ -181,15 +190,14 @@ class DeviceMailbox:
             host.words[H_LAYERS] = layers
             host.words[H_RANK_PID] = os.getpid()
             host.words[H_MAGIC] = MAGIC
-            with torch.cuda.device(device):  # torch makes the device's primary context current
-                torch.cuda.init()
-                layout = _Layout(host.name, "", device, max_rows, hidden, str(dtype).removeprefix("torch."))
-                (ptr,) = _ok(cu.cuMemAlloc(layout.size), "cuMemAlloc")
-                address = int(ptr)  # type: ignore[call-overload]
-                (handle,) = _ok(cu.cuIpcGetMemHandle(ptr), "cuIpcGetMemHandle")
-                layout = dataclasses.replace(layout, ipc_handle=bytes(handle.reserved).hex())  # type: ignore[attr-defined]
-                _ok(cu.cuMemsetD8(ptr, 0, layout.size), "cuMemsetD8")  # flags and planes start at 0
-                _ok(cu.cuCtxSynchronize(), "cuCtxSynchronize")
+            _make_current(device)
+            layout = _Layout(host.name, "", device, max_rows, hidden, str(dtype).removeprefix("torch."))
+            (ptr,) = _ok(cu.cuMemAlloc(layout.size), "cuMemAlloc")
+            address = int(ptr)  # type: ignore[call-overload]
+            (handle,) = _ok(cu.cuIpcGetMemHandle(ptr), "cuIpcGetMemHandle")
+            layout = dataclasses.replace(layout, ipc_handle=bytes(handle.reserved).hex())  # type: ignore[attr-defined]
+            _ok(cu.cuMemsetD8(ptr, 0, layout.size), "cuMemsetD8")  # flags and planes start at 0
+            _ok(cu.cuCtxSynchronize(), "cuCtxSynchronize")
             return cls(layout, host, address, owner=True)
         except BaseException:
             if address is not None:
@@ -209,10 +217,9 @@ class DeviceMailbox:
         assert host.words[H_MAGIC] == MAGIC, layout.host_name
         handle = cu.CUipcMemHandle()
         handle.reserved = bytes.fromhex(layout.ipc_handle)
-        with torch.cuda.device(layout.device):
-            torch.cuda.init()
-            flags = int(cu.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS)
-            (ptr,) = _ok(cu.cuIpcOpenMemHandle(handle, flags), "cuIpcOpenMemHandle")
+        _make_current(layout.device)
+        flags = int(cu.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS)
+        (ptr,) = _ok(cu.cuIpcOpenMemHandle(handle, flags), "cuIpcOpenMemHandle")
         return cls(layout, host, int(ptr), owner=False)  # type: ignore[call-overload]
 
     def req(self, layer: int) -> int:
@@ -260,13 +267,13 @@ class DeviceMailbox:
         if self._closed:
             return
         self._closed = True
-        with torch.cuda.device(self.device):
-            torch.cuda.synchronize()  # no stream of this process still uses the memory
-            _unregister_host(self.host)
-            if self.owner:
-                _ok(cu.cuMemFree(cu.CUdeviceptr(self.address)), "cuMemFree")
-            else:
-                _ok(cu.cuIpcCloseMemHandle(cu.CUdeviceptr(self.address)), "cuIpcCloseMemHandle")
+        _make_current(self.layout.device)
+        torch.cuda.synchronize(self.device)  # no stream of this process still uses the memory
+        _unregister_host(self.host)
+        if self.owner:
+            _ok(cu.cuMemFree(cu.CUdeviceptr(self.address)), "cuMemFree")
+        else:
+            _ok(cu.cuIpcCloseMemHandle(cu.CUdeviceptr(self.address)), "cuIpcCloseMemHandle")
         if self.owner:
             self.host.unlink()
 
@@ -317,7 +324,7 @@ class Watchdog:
 
     def _run(self) -> None:
         box = self.mailbox
-        torch.cuda.set_device(box.device)  # a new thread has no current context
+        _make_current(box.layout.device)  # a new thread has no current context
         while not self._stop.wait(SLICE_S):
             if box.status() == STATUS_OK and not self.agent.alive():
                 box.fail(STATUS_PEER_EXITED, f"{self.agent} exited")
