@@ -26,6 +26,7 @@ import httpx
 import pytest
 
 from conftest import LiveDeployment, assert_nothing_left, leftover_files, project_processes
+from crosspool import host
 from crosspool.integrations.sglang.launch import host_problems
 from crosspool.kv.backing import rss_bytes
 from crosspool.qualify.serving import prompts
@@ -37,13 +38,18 @@ MIB = 2**20
 ENGINE = {"a": "vllm", "b": "vllm" if host_problems() else "sglang"}
 BLOCK_TOKENS = {"vllm": 128, "sglang": 1}  # a KV block: vLLM's CPU block, SGLang's token slot
 CACHE_REPORT = {"vllm": "enable_prompt_tokens_details", "sglang": "enable_cache_report"}
+# bf16 where the CPU computes it natively (AVX512-BF16, AMX), else fp32: an AVX2-only EPYC ran bf16
+# GEMMs 12x slower than fp32 (4 vs 50 GFLOP/s on one core), which kept this module busy for over
+# 40 minutes. The budget scales with the element size, so both hold the same number of blocks.
+NATIVE_BF16 = bool({"avx512_bf16", "amx_bf16"} & set(host.describe()["cpu_flags"]))
+DTYPE, ELEMENT_BYTES = ("bfloat16", 2) if NATIVE_BF16 else ("float32", 4)
 PROMPT = 400  # tokens: with the answer, 4 vLLM blocks of SmolLM2 (2.8 MiB each in bf16) per request
 LONG = 700  # 16 of them want more than the whole budget
 BURST = 16
 POLL_S = 0.1
 
 
-def _text(path: str, budget_gib: float, extra: dict[str, str] | None = None) -> str:
+def _text(path: str, budget_gib: float, extra: dict[str, str] | None = None, dtype: str | None = None) -> str:
     extra = extra or {}
 
     def model(id: str) -> str:
@@ -52,6 +58,7 @@ def _text(path: str, budget_gib: float, extra: dict[str, str] | None = None) -> 
 id = "{id}"
 path = "{path}"
 engine = "{engine}"
+{f'dtype = "{dtype}"' if dtype else ""}
 {"enforce_eager = true" if engine == "vllm" else ""}
 max_model_len = 1024
 kv_cache_gib = 1
@@ -86,7 +93,7 @@ def _live(tmp_path_factory: pytest.TempPathFactory, name: str, text: str):
 def pair(smollm2, tmp_path_factory):
     # bf16: 0.25 GiB = 91 vLLM blocks or 11,650 SGLang slots: both floors (one 1024-token sequence
     # each) and one burst of 16 400-token requests, not two
-    yield from _live(tmp_path_factory, "elastic", _text(str(smollm2), 0.25))
+    yield from _live(tmp_path_factory, "elastic", _text(str(smollm2), 0.25 * ELEMENT_BYTES / 2, dtype=DTYPE))
 
 
 def _groups(d) -> dict[str, dict]:
@@ -280,7 +287,7 @@ class TestPair:
             os.close(master)
         text = screen.decode(errors="replace")
         assert text.count("crosspool top") >= 3, text[-2000:]  # refreshed in place, like top
-        assert "atn0: budget 256 MiB" in text and "\x1b[" in text
+        assert f"atn0: budget {128 * ELEMENT_BYTES} MiB" in text and "\x1b[" in text
         after = _groups(d)
         for m in "ab":
             shown = {f"{g[m]['backed_bytes'] / MIB:,.0f}" for g in (before, after)}
