@@ -272,10 +272,9 @@ class DeviceMailbox:
         _unregister_host(self.host)
         if self.owner:
             _ok(cu.cuMemFree(cu.CUdeviceptr(self.address)), "cuMemFree")
+            self.host.unlink()
         else:
             _ok(cu.cuIpcCloseMemHandle(cu.CUdeviceptr(self.address)), "cuIpcCloseMemHandle")
-        if self.owner:
-            self.host.unlink()
 
 
 class RankChannel:
