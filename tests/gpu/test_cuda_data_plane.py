@@ -69,59 +69,55 @@ def test_a_captured_step_replays_10000_times_with_the_pools_results(env, checkpo
     fresh inputs, checked on the device; replays run with torch's sync debug mode set to error,
     so any host synchronisation in them would raise."""
     from crosspool.agents.gpu_ffn_agent import running_agent
-    from crosspool.transport.cuda import DeviceMailbox, RankChannel, Watchdog
+    from crosspool.transport.cuda import DeviceMailbox, RankChannel
 
     ffns = _layers(checkpoints["llama"])
     layers = len(ffns)
     box = DeviceMailbox.create(layers=layers, max_rows=8, hidden=HIDDEN, dtype=torch.bfloat16, device=0)
     try:
-        with running_agent([(box, checkpoints["llama"])], mode="graph", buckets=[8], env=env, mps=True) as agent:
-            watchdog = Watchdog(box, agent.peer)
-            try:
-                channel = RankChannel(box)
-                inputs = torch.randn(16, 8, HIDDEN, dtype=torch.bfloat16, device="cuda")
-                # The expected rows, computed here with the same executor: layer l's output is
-                # layer l+1's input in this test.
-                expected = inputs.clone()
-                for i in range(len(inputs)):
-                    for layer in range(layers):
-                        expected[i] = ffns[layer](expected[i])
-                del ffns
-                torch.cuda.empty_cache()
-                x = torch.empty(8, HIDDEN, dtype=torch.bfloat16, device="cuda")
-                y = torch.empty_like(x)
-                which = torch.zeros(1, dtype=torch.long, device="cuda")
-                mismatches = torch.zeros((), dtype=torch.long, device="cuda")
+        with running_agent([(box, checkpoints["llama"])], mode="graph", buckets=[8], env=env, mps=True):
+            channel = RankChannel(box)
+            inputs = torch.randn(16, 8, HIDDEN, dtype=torch.bfloat16, device="cuda")
+            # The expected rows, computed here with the same executor: layer l's output is
+            # layer l+1's input in this test.
+            expected = inputs.clone()
+            for i in range(len(inputs)):
+                for layer in range(layers):
+                    expected[i] = ffns[layer](expected[i])
+            del ffns
+            torch.cuda.empty_cache()
+            x = torch.empty(8, HIDDEN, dtype=torch.bfloat16, device="cuda")
+            y = torch.empty_like(x)
+            which = torch.zeros(1, dtype=torch.long, device="cuda")
+            mismatches = torch.zeros((), dtype=torch.long, device="cuda")
 
-                def step() -> None:
-                    x.copy_(inputs.index_select(0, which)[0])
-                    for layer in range(layers):
-                        channel.call(layer, x, y)
-                        if layer + 1 < layers:
-                            x.copy_(y)
-                    mismatches.add_((y != expected.index_select(0, which)[0]).any().long())
-                    which.add_(1).remainder_(len(inputs))
+            def step() -> None:
+                x.copy_(inputs.index_select(0, which)[0])
+                for layer in range(layers):
+                    channel.call(layer, x, y)
+                    if layer + 1 < layers:
+                        x.copy_(y)
+                mismatches.add_((y != expected.index_select(0, which)[0]).any().long())
+                which.add_(1).remainder_(len(inputs))
 
-                stream = torch.cuda.Stream()
-                with torch.cuda.stream(stream):
-                    step()
-                    torch.cuda.synchronize()
-                    assert mismatches.item() == 0
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, stream=stream):
-                        step()
-                    torch.cuda.set_sync_debug_mode("error")
-                    try:
-                        for _ in range(10_000):
-                            graph.replay()
-                    finally:
-                        torch.cuda.set_sync_debug_mode("default")
-                    stream.synchronize()
-                box.raise_if_failed()
+            stream = torch.cuda.Stream()
+            with torch.cuda.stream(stream):
+                step()
+                torch.cuda.synchronize()
                 assert mismatches.item() == 0
-                assert which.item() == 10_001 % len(inputs)
-            finally:
-                watchdog.stop()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, stream=stream):
+                    step()
+                torch.cuda.set_sync_debug_mode("error")
+                try:
+                    for _ in range(10_000):
+                        graph.replay()
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+                stream.synchronize()
+            box.raise_if_failed()
+            assert mismatches.item() == 0
+            assert which.item() == 10_001 % len(inputs)
     finally:
         box.close()
 
@@ -130,41 +126,37 @@ def test_a_dead_agent_releases_the_ranks_captured_graph(env, no_leftovers):
     """A device wait has no timeout: the rank's watchdog sees the agent exit and releases the
     waits of the graph in flight; the rank learns why from `raise_if_failed`."""
     from crosspool.agents.gpu_ffn_agent import running_agent
-    from crosspool.transport.cuda import DeviceMailbox, RankChannel, Watchdog
+    from crosspool.transport.cuda import DeviceMailbox, RankChannel
     from crosspool.transport.errors import FfnPeerExited
 
     box = DeviceMailbox.create(layers=4, max_rows=1, hidden=HIDDEN, dtype=torch.bfloat16, device=0)
     try:
         with running_agent([(box, None)], mode="graph", buckets=[1], env=env, mps=True) as agent:
-            watchdog = Watchdog(box, agent.peer)
-            try:
-                channel = RankChannel(box)
-                x = torch.randn(1, HIDDEN, dtype=torch.bfloat16, device="cuda")
-                y = torch.empty_like(x)
-                stream = torch.cuda.Stream()
-                with torch.cuda.stream(stream):
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, stream=stream):
-                        for layer in range(4):
-                            channel.call(layer, x, y)
-                    graph.replay()
-                    stream.synchronize()
-                    assert torch.equal(y, x)
-                    os.kill(agent.proc.pid, signal.SIGSTOP)  # the next step waits on a silent agent
-                    graph.replay()
-                    time.sleep(0.5)
-                    assert not stream.query(), "the step finished without its agent"
-                    os.kill(agent.proc.pid, signal.SIGKILL)
-                    started = time.monotonic()
-                    while not stream.query():
-                        assert time.monotonic() - started < 5, "the captured graph still waits for a dead agent"
-                        time.sleep(0.01)
-                with pytest.raises(FfnPeerExited, match=f"pid {agent.proc.pid}"):
-                    box.raise_if_failed()
-                with pytest.raises(FfnPeerExited):
-                    channel.call(0, x, y)  # an eager call fails at once
-            finally:
-                watchdog.stop()
+            channel = RankChannel(box)
+            x = torch.randn(1, HIDDEN, dtype=torch.bfloat16, device="cuda")
+            y = torch.empty_like(x)
+            stream = torch.cuda.Stream()
+            with torch.cuda.stream(stream):
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, stream=stream):
+                    for layer in range(4):
+                        channel.call(layer, x, y)
+                graph.replay()
+                stream.synchronize()
+                assert torch.equal(y, x)
+                os.kill(agent.proc.pid, signal.SIGSTOP)  # the next step waits on a silent agent
+                graph.replay()
+                time.sleep(0.5)
+                assert not stream.query(), "the step finished without its agent"
+                os.kill(agent.proc.pid, signal.SIGKILL)
+                started = time.monotonic()
+                while not stream.query():
+                    assert time.monotonic() - started < 5, "the captured graph still waits for a dead agent"
+                    time.sleep(0.01)
+            with pytest.raises(FfnPeerExited, match=f"pid {agent.proc.pid}"):
+                box.raise_if_failed()
+            with pytest.raises(FfnPeerExited):
+                channel.call(0, x, y)  # an eager call fails at once
     finally:
         box.close()
 
@@ -193,7 +185,7 @@ def test_greedy_tokens_match_native_transformers(env, checkpoints, family, no_le
     from crosspool import ops
     from crosspool.agents.gpu_ffn_agent import running_agent
     from crosspool.integrations.transformers import AGENT_ARGS, greedy, offload_mlps
-    from crosspool.transport.cuda import DeviceMailbox, RankChannel, Watchdog
+    from crosspool.transport.cuda import DeviceMailbox, RankChannel
 
     model = AutoModelForCausalLM.from_pretrained(checkpoints[family], dtype=torch.bfloat16).to("cuda")
     torch.manual_seed(0)
@@ -208,14 +200,10 @@ def test_greedy_tokens_match_native_transformers(env, checkpoints, family, no_le
     try:
         with running_agent(
             [(box, checkpoints[family])], mode="graph", buckets=[4], env=env, mps=True, extra=AGENT_ARGS
-        ) as agent:
-            watchdog = Watchdog(box, agent.peer)
-            try:
-                pool_generate = model.generate(prompts, max_new_tokens=new, min_new_tokens=new, do_sample=False)
-                pool_graph = greedy(model, prompts, new, graph=True, after_step=box.raise_if_failed)
-                box.raise_if_failed()
-            finally:
-                watchdog.stop()
+        ):
+            pool_generate = model.generate(prompts, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+            pool_graph = greedy(model, prompts, new, graph=True, after_step=box.raise_if_failed)
+            box.raise_if_failed()
     finally:
         ops.detach()
         box.close()

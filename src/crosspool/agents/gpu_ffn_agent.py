@@ -46,6 +46,7 @@ from crosspool.transport.cuda import (
     H_STOP,
     STATUS_AGENT_ERROR,
     DeviceMailbox,
+    Watchdog,
     wait_word,
     write_word,
 )
@@ -205,11 +206,8 @@ def main(argv: list[str] | None = None) -> int:
 @dataclass
 class GpuAgentProcess:
     proc: subprocess.Popen[bytes]
-    boxes: list[DeviceMailbox]
-
-    @property
-    def peer(self) -> Peer:
-        return Peer("GPU FfnAgent", "ffn", self.proc.pid)
+    watchdogs: list[Watchdog]
+    """One per lane, in this (the rank's) process: they release the lanes' waits if the agent exits."""
 
 
 class MpsRequired(RuntimeError):
@@ -226,8 +224,9 @@ def running_agent(
     mps: bool,
     extra: tuple[str, ...] = (),
 ) -> Iterator[GpuAgentProcess]:
-    """A GPU FfnAgent process serving `lanes` (mailboxes this process created), ready; stopped
-    (the mailboxes' stop word, then SIGKILL after 10 s) when the block ends.
+    """A GPU FfnAgent process serving `lanes` (mailboxes this process created), ready and watched
+    (a `Watchdog` per mailbox); stopped (the mailboxes' stop word, then SIGKILL after 10 s) when
+    the block ends.
 
     `env` is the agent's environment (the MPS variables among it); `mps` says a control daemon
     runs: the agent shares its GPU with this process, which time-slices without MPS (a per-layer
@@ -246,7 +245,7 @@ def running_agent(
             blob.chmod(0o600)
             argv += ["--lane", f"{blob}:{checkpoint}" if checkpoint else str(blob)]
         proc = subprocess.Popen(argv, env=env)
-        agent = GpuAgentProcess(proc, [box for box, _ in lanes])
+        agent = GpuAgentProcess(proc, [])
         try:
             deadline = time.monotonic() + READY_TIMEOUT_S
             while not all(box.host.words[H_READY] for box, _ in lanes):
@@ -255,8 +254,12 @@ def running_agent(
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"the GPU FfnAgent was not ready within {READY_TIMEOUT_S:.0f} s")
                 time.sleep(0.01)
+            peer = Peer("GPU FfnAgent", "ffn", proc.pid)
+            agent.watchdogs = [Watchdog(box, peer) for box, _ in lanes]
             yield agent
         finally:
+            for watchdog in agent.watchdogs:
+                watchdog.stop()
             for box, _ in lanes:
                 box.host.words[H_STOP] = 1
             try:

@@ -34,7 +34,7 @@ from crosspool.agents.gpu_ffn_agent import TorchKernels, running_agent
 from crosspool.daemon.mps import run_under_mps, under_mps
 from crosspool.models.prepare import make_tiny_checkpoint
 from crosspool.models.spec import load_ffn_spec
-from crosspool.transport.cuda import DeviceMailbox, RankChannel, Watchdog, wait_word, write_word
+from crosspool.transport.cuda import DeviceMailbox, RankChannel, wait_word, write_word
 
 HIDDEN = 4096
 SHAPE = dict(
@@ -226,30 +226,26 @@ def decode(checkpoint: Path, env: dict[str, str], steps: int) -> dict[str, Any]:
     try:
         with running_agent(
             [(box, checkpoint)], mode="graph", buckets=list(DECODE_BATCHES), env=env, mps=True, extra=AGENT_ARGS
-        ) as agent:
-            watchdog = Watchdog(box, agent.peer)
-            try:
-                for mode in ("graph", "eager"):
-                    for b in DECODE_BATCHES:
-                        times = []
-                        tokens = greedy(
-                            model,
-                            prompts[b],
-                            steps,
-                            graph=mode == "graph",
-                            after_step=box.raise_if_failed,
-                            step_times_ms=times,
-                        )
-                        row = out[mode][str(b)]
-                        row["pool_step_ms"] = percentiles(times[2:])
-                        row["pool_over_in_process"] = row["pool_step_ms"]["p50"] / row["in_process_step_ms"]["p50"]
-                        row["pool_minus_in_process_per_layer_us"] = (
-                            1e3 * (row["pool_step_ms"]["p50"] - row["in_process_step_ms"]["p50"]) / layers
-                        )
-                        row["tokens_identical"] = bool(torch.equal(tokens, native[mode, b]))
-                        row["distinct_tokens"] = int(tokens.unique().numel())
-            finally:
-                watchdog.stop()
+        ):
+            for mode in ("graph", "eager"):
+                for b in DECODE_BATCHES:
+                    times = []
+                    tokens = greedy(
+                        model,
+                        prompts[b],
+                        steps,
+                        graph=mode == "graph",
+                        after_step=box.raise_if_failed,
+                        step_times_ms=times,
+                    )
+                    row = out[mode][str(b)]
+                    row["pool_step_ms"] = percentiles(times[2:])
+                    row["pool_over_in_process"] = row["pool_step_ms"]["p50"] / row["in_process_step_ms"]["p50"]
+                    row["pool_minus_in_process_per_layer_us"] = (
+                        1e3 * (row["pool_step_ms"]["p50"] - row["in_process_step_ms"]["p50"]) / layers
+                    )
+                    row["tokens_identical"] = bool(torch.equal(tokens, native[mode, b]))
+                    row["distinct_tokens"] = int(tokens.unique().numel())
     finally:
         box.close()
     return out
@@ -316,31 +312,26 @@ def round_trips(checkpoint: Path, args: argparse.Namespace, env: dict[str, str])
         lanes: list[tuple[DeviceMailbox, Path | None]] = [(box, None) for box in probes.values()]
         lanes.append((ffn_box, checkpoint))
         try:
-            with running_agent(lanes, mode=mode, buckets=[*ROUND_TRIP_ROWS], env=env, mps=True) as agent:
-                watchdogs = [Watchdog(box, agent.peer) for box, _ in lanes]
-                try:
-                    row: dict[str, Any] = {}
-                    for rows, box in probes.items():
-                        r = rank_steps(RankChannel(box), rows, args.layers, args.steps, graph=mode == "graph")
-                        row[f"probe_{rows}_rows"] = {
-                            "per_layer_us": r["per_layer_us"],
-                            "wall_per_layer_us": r["wall_per_layer_us"],
-                            "correct": bool(torch.equal(r["y"], r["x"])),
-                        }
-                    for rows in (1, 64):
-                        r = rank_steps(RankChannel(ffn_box), rows, spec_layers, args.steps, graph=mode == "graph")
-                        expect = ffns[spec_layers - 1](r["x"])
-                        local = in_process_steps(ffns, rows, args.steps)
-                        row[f"ffn_{rows}_rows"] = {
-                            "pool_per_layer_us": r["per_layer_us"],
-                            "in_process_per_layer_us": local["per_layer_us"],
-                            "pool_minus_in_process_us": r["per_layer_us"]["p50"] - local["per_layer_us"]["p50"],
-                            "correct": bool(torch.equal(r["y"], expect)),
-                        }
-                    out[mode] = row
-                finally:
-                    for w in watchdogs:
-                        w.stop()
+            with running_agent(lanes, mode=mode, buckets=[*ROUND_TRIP_ROWS], env=env, mps=True):
+                row: dict[str, Any] = {}
+                for rows, box in probes.items():
+                    r = rank_steps(RankChannel(box), rows, args.layers, args.steps, graph=mode == "graph")
+                    row[f"probe_{rows}_rows"] = {
+                        "per_layer_us": r["per_layer_us"],
+                        "wall_per_layer_us": r["wall_per_layer_us"],
+                        "correct": bool(torch.equal(r["y"], r["x"])),
+                    }
+                for rows in (1, 64):
+                    r = rank_steps(RankChannel(ffn_box), rows, spec_layers, args.steps, graph=mode == "graph")
+                    expect = ffns[spec_layers - 1](r["x"])
+                    local = in_process_steps(ffns, rows, args.steps)
+                    row[f"ffn_{rows}_rows"] = {
+                        "pool_per_layer_us": r["per_layer_us"],
+                        "in_process_per_layer_us": local["per_layer_us"],
+                        "pool_minus_in_process_us": r["per_layer_us"]["p50"] - local["per_layer_us"]["p50"],
+                        "correct": bool(torch.equal(r["y"], expect)),
+                    }
+                out[mode] = row
         finally:
             for box, _ in lanes:
                 box.close()
