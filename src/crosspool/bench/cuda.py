@@ -31,6 +31,7 @@ import torch
 from crosspool import host
 from crosspool.agents.ffn.weights import LayerExecutor, load_layers
 from crosspool.agents.gpu_ffn_agent import TorchKernels, running_agent
+from crosspool.bench.quantiles import quantile
 from crosspool.daemon.mps import run_under_mps, under_mps
 from crosspool.models.prepare import make_tiny_checkpoint
 from crosspool.models.spec import load_ffn_spec
@@ -54,7 +55,7 @@ DECODE_BATCHES = (1, 64)
 
 def percentiles(samples: list[float]) -> dict[str, float]:
     s = sorted(samples)
-    return {"p50": s[len(s) // 2], "p99": s[min(len(s) - 1, int(0.99 * len(s)))], "n": len(s)}
+    return {"p50": quantile(s, 0.5), "p99": quantile(s, 0.99), "n": len(s)}
 
 
 def device_times_us(run: Callable[[], object], repeats: int, per: int = 1) -> list[float]:

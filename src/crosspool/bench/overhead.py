@@ -48,6 +48,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from crosspool import host
 from crosspool.agents.ffn.weights import load_layers
 from crosspool.bench import procs
+from crosspool.bench.quantiles import quantile
 from crosspool.config import ModelConfig, parse_deployment
 from crosspool.cpus import descendants, host_cpus, running_on
 from crosspool.daemon.daemon import running_pool
@@ -116,7 +117,7 @@ def timed_us(fn: Callable[[], object], calls: int, warmup: int = 100) -> dict[st
         fn()
         samples.append((time.perf_counter_ns() - start) / 1e3)
     samples.sort()
-    return {p: samples[min(len(samples) - 1, int(q * len(samples)))] for p, q in (("p50", 0.5), ("p99", 0.99))}
+    return {p: quantile(samples, q) for p, q in (("p50", 0.5), ("p99", 0.99))}
 
 
 @dataclass

@@ -40,6 +40,7 @@ from tqdm import tqdm
 
 from crosspool import host
 from crosspool.bench.overhead import Side, alone, crosspool_daemon, native_server, wait_ready
+from crosspool.bench.quantiles import quantile
 from crosspool.config import Deployment, load_deployment
 from crosspool.kv.backing import rss_bytes
 from crosspool.qualify.serving import prompts
@@ -205,7 +206,7 @@ def _pct(values: list[float]) -> dict[str, float | None]:
     if not values:
         return {"p50": None, "p90": None, "p99": None}
     ordered = sorted(values)
-    pick = lambda q: round(ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1e3, 2)  # noqa: E731
+    pick = lambda q: round(quantile(ordered, q) * 1e3, 2)  # noqa: E731
     return {"p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99)}
 
 
