@@ -173,7 +173,7 @@ class SegmentMissing(FileNotFoundError):
 
 
 class ShmFull(OSError):
-    """/dev/shm cannot hold a segment (or the segments a deployment plans)."""
+    """/dev/shm cannot hold a segment being created."""
 
 
 SHM_MARGIN_BYTES = 64 << 20

@@ -29,6 +29,7 @@ from crosspool.resolve import Resolved
 from crosspool.transport.mailbox import mailbox_size
 
 MAX_BACKOFF_S = 60.0
+CONTROL_START_S = 10.0
 
 
 def no_restart(
@@ -158,9 +159,6 @@ def running_pool(resolved: Resolved) -> Iterator[Generation]:
         yield gen
     finally:
         daemon.close()
-
-
-CONTROL_START_S = 10.0
 
 
 def planned_shm_bytes(plan: Plan) -> int:

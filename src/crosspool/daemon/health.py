@@ -36,7 +36,7 @@ class EngineProbe:
                         self.last_ok[model] = time.monotonic()
 
     def silent(self, bound_s: float) -> tuple[str, float] | None:
-        """The first engine that has not answered /health for more than `bound_s`, and for how long."""
+        """The first engine that has not answered its liveness URL for more than `bound_s`, and for how long."""
         now = time.monotonic()
         for model, seen in self.last_ok.items():
             if now - seen > bound_s:

@@ -38,15 +38,10 @@ class PoolMlp(nn.Module):
         return out.view(x.shape)
 
 
-def decoder_layers(model: PreTrainedModel) -> nn.ModuleList:
-    layers = model.model.layers
-    assert isinstance(layers, nn.ModuleList)
-    return layers
-
-
 def offload_mlps(model: PreTrainedModel) -> int:
     """Replace every decoder layer's MLP by the pool's; the number of layers."""
-    layers = decoder_layers(model)
+    layers = model.model.layers
+    assert isinstance(layers, nn.ModuleList)
     for i, layer in enumerate(layers):
         mlp = layer.get_submodule("mlp")
         assert {"gate_proj", "up_proj", "down_proj"} <= {n for n, _ in mlp.named_children()}, type(mlp)
