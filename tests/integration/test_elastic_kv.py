@@ -39,7 +39,7 @@ ENGINE = {"a": "vllm", "b": "vllm" if host_problems() else "sglang"}
 BLOCK_TOKENS = {"vllm": 128, "sglang": 1}  # a KV block: vLLM's CPU block, SGLang's token slot
 CACHE_REPORT = {"vllm": "enable_prompt_tokens_details", "sglang": "enable_cache_report"}
 # bf16 where the CPU computes it natively (AVX512-BF16, AMX), else fp32: an AVX2-only EPYC ran bf16
-# GEMMs 12x slower than fp32 (4 vs 50 GFLOP/s on one core), which kept this module busy for over
+# GEMMs 10x slower than fp32 (7.5 vs 75 GFLOP/s, one idle core), which kept this module busy for over
 # 40 minutes. The budget scales with the element size, so both hold the same number of blocks.
 NATIVE_BF16 = bool({"avx512_bf16", "amx_bf16"} & set(host.describe()["cpu_flags"]))
 DTYPE, ELEMENT_BYTES = ("bfloat16", 2) if NATIVE_BF16 else ("float32", 4)
