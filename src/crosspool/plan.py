@@ -69,6 +69,9 @@ class MailboxPlan(_Frozen):
     dtype: str
     shards: int
     """Output planes: the largest execution group of the model's layers (FFN tensor parallelism)."""
+    local_rows: bool = False
+    """Its ranks hand the pool different rows of each call (transport/mailbox.py); no admitted engine
+    mode does yet, the context-parallel harness does."""
 
 
 class KvGroupPlan(_Frozen):

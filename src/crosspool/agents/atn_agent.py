@@ -23,7 +23,9 @@ class AtnAgent:
         self.proc = proc
         self.engine_files = EngineFiles.now()
         owned = [mb for mb in proc.plan.mailboxes if mb.atn_agent == proc.id]
-        self.mailboxes = [Mailbox.create(mb.name, mb.max_rows, mb.hidden, mb.dtype, mb.shards, mb.tp) for mb in owned]
+        self.mailboxes = [
+            Mailbox.create(mb.name, mb.max_rows, mb.hidden, mb.dtype, mb.shards, mb.tp, mb.local_rows) for mb in owned
+        ]
 
     def run(self) -> None:
         self.proc.ready()

@@ -164,7 +164,7 @@ def running_pool(resolved: Resolved) -> Iterator[Generation]:
 def planned_shm_bytes(plan: Plan) -> int:
     """Bytes of /dev/shm a generation's own segments take: the rank mailboxes (the inboxes and
     elastic-KV channels are a few KiB each)."""
-    return sum(mailbox_size(mb.max_rows, mb.hidden, mb.dtype, mb.shards) for mb in plan.mailboxes)
+    return sum(mailbox_size(mb.max_rows, mb.hidden, mb.dtype, mb.shards, mb.tp, mb.local_rows) for mb in plan.mailboxes)
 
 
 def run_daemon(resolved: Resolved) -> int:

@@ -29,12 +29,17 @@
 #include <string.h>
 #include <time.h>
 
-enum { OK = 0, FENCED = 1, PEER_EXITED = 2, TIMEOUT = 3, AGENT_ERROR = 4, DISAGREE = 5, SIGNALLED = 6, ROWS_DIFFER = 7 };
+enum {
+    OK = 0, FENCED = 1, PEER_EXITED = 2, TIMEOUT = 3, AGENT_ERROR = 4, DISAGREE = 5, SIGNALLED = 6, ROWS_DIFFER = 7,
+    ROWS_UNOWNED = 8
+};
+#define RECEIVE_ONLY 0x80000000u /* in a local-row index: a row this rank gets back but another rank sends */
 enum { MAX_SHARDS = 8, MAX_TP = 4, MAX_AGENTS = 64, N_BUCKETS = 15, PROBE_LAYER_ID = -1 };
 
 typedef struct {
     /* word indices (u32) */
-    Py_ssize_t req_seq, layer, rows, submit_lo, submit_hi, digest_lo, digest_hi, fence, resp_seq, status, ack, stride;
+    Py_ssize_t req_seq, layer, rows, submit_lo, submit_hi, digest_lo, digest_hi, row_verdict, fence, resp_seq, status, ack,
+        stride;
     /* byte offsets */
     Py_ssize_t reply_sems, ack_sems, sem_size, max_tp, reader_stats, reader_words, data;
     /* u64 indices within a reader's counters (mailbox), and within an agent's (inbox) */
@@ -63,7 +68,7 @@ static int parse_layout(PyObject *d, Layout *l) {
         if (l->name == -1 && PyErr_Occurred()) return -1;                \
     } while (0)
     FIELD(req_seq); FIELD(layer); FIELD(rows); FIELD(submit_lo); FIELD(submit_hi); FIELD(digest_lo); FIELD(digest_hi);
-    FIELD(fence);
+    FIELD(row_verdict); FIELD(fence);
     FIELD(resp_seq); FIELD(status); FIELD(ack); FIELD(stride);
     FIELD(reply_sems); FIELD(ack_sems); FIELD(sem_size); FIELD(max_tp); FIELD(reader_stats);
     FIELD(reader_words); FIELD(data); FIELD(r_calls); FIELD(r_call_ns); FIELD(r_buckets);
@@ -112,6 +117,8 @@ typedef struct {
     uint64_t *stats; /* this reader's counters */
     int reader, readers, bf16;
     Py_ssize_t row_bytes, plane_bytes, hidden, max_rows;
+    Py_ssize_t index_offset; /* local-row mailbox: where the readers' row indices are (0: replicated rows) */
+    uint8_t *sent;           /* local rows: which invocation rows the layout check has seen sent */
     int n_layers;
     int *group_len;          /* per layer */
     int (*groups)[MAX_SHARDS]; /* per layer: agent indices, shard order */
@@ -196,7 +203,61 @@ static uint64_t rows_digest(const char *p, size_t n) {
     return d;
 }
 
-static int rank_round(RankChannel *r, int layer, const char *in, char *out, uint32_t rows) {
+static uint32_t *index_slot(RankChannel *r, int reader) {
+    return (uint32_t *)(r->base + r->index_offset + (Py_ssize_t)reader * (r->max_rows + 1) * 4);
+}
+
+/* Local rows: whether the rows the readers send cover the invocation's `total` rows once each,
+ * and every row a reader gets back is one of them. The leader checks once every reader has
+ * written its index and rows, before it publishes: no reader touches its slot again before the
+ * call is answered. */
+static int rows_owned(RankChannel *r, uint32_t total) {
+    memset(r->sent, 0, total);
+    uint32_t sent = 0;
+    for (int q = 0; q < r->readers; q++) {
+        const uint32_t *slot = index_slot(r, q);
+        if (slot[0] > r->max_rows) return 0;
+        for (uint32_t i = 0; i < slot[0]; i++) {
+            uint32_t row = slot[1 + i] & ~RECEIVE_ONLY;
+            if (row >= total) return 0;
+            if (slot[1 + i] & RECEIVE_ONLY) continue;
+            if (r->sent[row]) return 0;
+            r->sent[row] = 1;
+            sent++;
+        }
+    }
+    return sent == total;
+}
+
+/* `count` rows of the answer from plane row `from` to `out`: plane 0 as it is, or the `n` shards'
+ * partial sums added in shard order in fp32 and rounded once. */
+static void copy_answer(RankChannel *r, int n, Py_ssize_t from, char *out, Py_ssize_t count) {
+    const char *plane0 = r->base + r->l.data + r->plane_bytes + from * r->row_bytes;
+    if (n == 1) {
+        memcpy(out, plane0, (size_t)(count * r->row_bytes));
+        return;
+    }
+    Py_ssize_t elems = count * r->hidden;
+    for (Py_ssize_t i = 0; i < elems; i++) {
+        float total = 0.0f;
+        for (int s = 0; s < n; s++) {
+            const char *plane = plane0 + s * r->plane_bytes;
+            float v = r->bf16 ? bf16_to_f32(((const uint16_t *)plane)[i]) : ((const float *)plane)[i];
+            total = s ? total + v : v;
+        }
+        if (r->bf16)
+            ((uint16_t *)out)[i] = f32_to_bf16(total);
+        else
+            ((float *)out)[i] = total;
+    }
+}
+
+/* One call. Replicated rows (`index` NULL): the leader copies all `rows` in and publishes; the
+ * followers check theirs against its digest. Local rows: every reader writes its index and the
+ * rows it sends into the invocation's `total` rows, then arrives (its ack word := seq); the
+ * leader publishes once all arrived, and each reader gets back the rows of its index. */
+static int rank_round(RankChannel *r, int layer, const char *in, char *out, uint32_t rows, const uint32_t *index,
+                      uint32_t total) {
     volatile uint32_t *w = r->w;
     Layout *l = &r->l;
     uint64_t start = now_ns();
@@ -204,17 +265,34 @@ static int rank_round(RankChannel *r, int layer, const char *in, char *out, uint
     int n = probe ? 1 : r->group_len[layer];
     int *group = probe ? r->groups[0] : r->groups[layer];
     uint32_t seq = r->seq + 1;
-    uint64_t digest = (r->readers > 1 && !probe) ? rows_digest(in, (size_t)rows * r->row_bytes) : 0;
+    uint64_t digest = (r->readers > 1 && !probe && !index) ? rows_digest(in, (size_t)rows * r->row_bytes) : 0;
+    if (index) {
+        uint32_t *slot = index_slot(r, r->reader);
+        slot[0] = rows;
+        memcpy(slot + 1, index, (size_t)rows * 4);
+        for (uint32_t i = 0; i < rows; i++)
+            if (!(index[i] & RECEIVE_ONLY) && index[i] < total)
+                memcpy(r->base + l->data + index[i] * r->row_bytes, in + i * r->row_bytes, (size_t)r->row_bytes);
+        if (r->reader) {
+            store(&w[l->ack + l->stride * (r->reader - 1)], seq);
+            sem_post(ack_sem(l, r->base, r->reader));
+        }
+    }
     if (r->reader == 0) {
         if (load(&w[l->fence])) return FENCED;
-        for (int f = 1; f < r->readers; f++) { /* followers must have read the previous call's planes */
-            int rc = rank_wait(r, ack_sem(l, r->base, f), l->ack + l->stride * (f - 1), r->seq, layer, start, -f);
+        /* replicated: the followers have read the previous call's planes; local: they also wrote this one's rows */
+        uint32_t arrived = index ? seq : r->seq;
+        for (int f = 1; f < r->readers; f++) {
+            int rc = rank_wait(r, ack_sem(l, r->base, f), l->ack + l->stride * (f - 1), arrived, layer, start, -f);
             if (rc) return rc;
         }
-        if (!probe) memcpy(r->base + l->data, in, (size_t)rows * r->row_bytes);
+        if (index)
+            w[l->row_verdict] = rows_owned(r, total) ? OK : ROWS_UNOWNED;
+        else if (!probe)
+            memcpy(r->base + l->data, in, (size_t)rows * r->row_bytes);
         uint64_t t = now_ns();
         w[l->layer] = probe ? l->probe_layer : (uint32_t)layer;
-        w[l->rows] = rows;
+        w[l->rows] = index ? total : rows;
         w[l->digest_lo] = (uint32_t)digest;
         w[l->digest_hi] = (uint32_t)(digest >> 32);
         w[l->submit_lo] = (uint32_t)t;
@@ -235,28 +313,17 @@ static int rank_round(RankChannel *r, int layer, const char *in, char *out, uint
     /* A follower whose call differs from the leader's fails, but still acknowledges: it is done
      * with the planes, and the leader's next call must not wait out the bound for it. */
     int verdict = OK;
-    if (r->reader && (w[l->layer] != (uint32_t)layer || w[l->rows] != rows))
+    if (r->reader && (w[l->layer] != (uint32_t)layer || w[l->rows] != (index ? total : rows)))
         verdict = DISAGREE;
+    else if (index)
+        verdict = (int)w[l->row_verdict];
     else if (r->reader && (w[l->digest_lo] != (uint32_t)digest || w[l->digest_hi] != (uint32_t)(digest >> 32)))
         verdict = ROWS_DIFFER;
-    const char *plane0 = r->base + l->data + r->plane_bytes;
-    if (verdict == OK && n == 1) {
-        memcpy(out, plane0, (size_t)rows * r->row_bytes);
-    } else if (verdict == OK) {
-        Py_ssize_t count = (Py_ssize_t)rows * r->hidden;
-        for (Py_ssize_t i = 0; i < count; i++) {
-            float total = 0.0f;
-            for (int s = 0; s < n; s++) {
-                const char *plane = plane0 + s * r->plane_bytes;
-                float v = r->bf16 ? bf16_to_f32(((const uint16_t *)plane)[i]) : ((const float *)plane)[i];
-                total = s ? total + v : v;
-            }
-            if (r->bf16)
-                ((uint16_t *)out)[i] = f32_to_bf16(total);
-            else
-                ((float *)out)[i] = total;
-        }
-    }
+    if (verdict == OK && index)
+        for (uint32_t i = 0; i < rows; i++)
+            copy_answer(r, n, index[i] & ~RECEIVE_ONLY, out + i * r->row_bytes, 1);
+    else if (verdict == OK)
+        copy_answer(r, n, 0, out, rows);
     if (r->reader) {
         store(&w[l->ack + l->stride * (r->reader - 1)], seq);
         sem_post(ack_sem(l, r->base, r->reader));
@@ -273,14 +340,20 @@ static int rank_round(RankChannel *r, int layer, const char *in, char *out, uint
 
 static PyObject *RankChannel_call(RankChannel *r, PyObject *args) {
     int layer;
-    unsigned long long in, out;
-    unsigned int rows;
-    if (!PyArg_ParseTuple(args, "iKKI", &layer, &in, &out, &rows)) return NULL;
+    unsigned long long in, out, index = 0;
+    unsigned int rows, total = 0;
+    if (!PyArg_ParseTuple(args, "iKKI|KI", &layer, &in, &out, &rows, &index, &total)) return NULL;
     if (layer < 0 || layer >= r->n_layers || rows == 0 || rows > r->max_rows) {
         PyErr_Format(PyExc_ValueError, "layer %d / rows %u out of range", layer, rows);
         return NULL;
     }
-    int rc = rank_round(r, layer, (const char *)(uintptr_t)in, (char *)(uintptr_t)out, rows);
+    if ((index != 0) != (r->index_offset != 0) || (index && (total == 0 || total > r->max_rows))) {
+        PyErr_Format(PyExc_ValueError, "a row index goes with a local-row mailbox and 1..%zd invocation rows",
+                     r->max_rows);
+        return NULL;
+    }
+    int rc = rank_round(r, layer, (const char *)(uintptr_t)in, (char *)(uintptr_t)out, rows,
+                        (const uint32_t *)(uintptr_t)index, total);
     if (rc == SIGNALLED) return NULL;
     return PyLong_FromLong(rc);
 }
@@ -288,7 +361,11 @@ static PyObject *RankChannel_call(RankChannel *r, PyObject *args) {
 static PyObject *RankChannel_probe(RankChannel *r, PyObject *args) {
     unsigned int rows = 1;
     if (!PyArg_ParseTuple(args, "|I", &rows)) return NULL;
-    int rc = rank_round(r, PROBE_LAYER_ID, NULL, NULL, rows);
+    if (r->index_offset) {
+        PyErr_SetString(PyExc_ValueError, "a local-row mailbox takes no probe");
+        return NULL;
+    }
+    int rc = rank_round(r, PROBE_LAYER_ID, NULL, NULL, rows, NULL, 0);
     if (rc == SIGNALLED) return NULL;
     return PyLong_FromLong(rc);
 }
@@ -312,14 +389,16 @@ static int int_list(PyObject *seq, int *out, int max, const char *what) {
 
 static int RankChannel_init(RankChannel *r, PyObject *args, PyObject *kw) {
     static char *names[] = {"layout", "base", "reader", "readers", "hidden", "itemsize", "bf16", "max_rows",
-                            "groups", "doorbells", "pidfds", "bound_ns", "spin_ns", "slice_ns", "buckets_ns", NULL};
+                            "groups", "doorbells", "pidfds", "bound_ns", "spin_ns", "slice_ns", "buckets_ns", "index_offset",
+                            NULL};
     PyObject *layout, *groups, *doorbells, *pidfds, *buckets;
     unsigned long long base, bound_ns, spin_ns, slice_ns;
     Py_ssize_t hidden, itemsize, max_rows;
     int bf16;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OKiinnpnOOOKKKO", names, &layout, &base, &r->reader, &r->readers,
+    r->index_offset = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OKiinnpnOOOKKKO|n", names, &layout, &base, &r->reader, &r->readers,
                                      &hidden, &itemsize, &bf16, &max_rows, &groups, &doorbells, &pidfds, &bound_ns,
-                                     &spin_ns, &slice_ns, &buckets))
+                                     &spin_ns, &slice_ns, &buckets, &r->index_offset))
         return -1;
     if (parse_layout(layout, &r->l) < 0) return -1;
     r->base = (char *)(uintptr_t)base;
@@ -330,6 +409,10 @@ static int RankChannel_init(RankChannel *r, PyObject *args, PyObject *kw) {
     r->plane_bytes = max_rows * r->row_bytes;
     r->max_rows = max_rows;
     r->bf16 = bf16;
+    if (r->index_offset && (r->sent = PyMem_Calloc((size_t)max_rows, 1)) == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
     r->bound_ns = bound_ns;
     r->spin_ns = spin_ns;
     r->slice_ns = slice_ns;
@@ -397,6 +480,7 @@ static int RankChannel_init(RankChannel *r, PyObject *args, PyObject *kw) {
 static void RankChannel_dealloc(RankChannel *r) {
     PyMem_Free(r->group_len);
     PyMem_Free(r->groups);
+    PyMem_Free(r->sent);
     Py_TYPE(r)->tp_free((PyObject *)r);
 }
 
@@ -405,7 +489,8 @@ static PyObject *RankChannel_get_failed(RankChannel *r, void *closure) { return 
 
 static PyMethodDef RankChannel_methods[] = {
     {"call", (PyCFunction)RankChannel_call, METH_VARARGS,
-     "call(layer, in_ptr, out_ptr, rows) -> status: one layer call, rows copied in and the result out"},
+     "call(layer, in_ptr, out_ptr, rows, index_ptr=0, total=0) -> status: one layer call, rows copied in and the "
+     "result out; on a local-row mailbox `index_ptr` points to the rows' u32 invocation indices"},
     {"probe", (PyCFunction)RankChannel_probe, METH_VARARGS,
      "probe(rows=1) -> status: a call the first FfnAgent answers without computing"},
     {NULL}};
@@ -650,6 +735,8 @@ PyMODINIT_FUNC PyInit__calls(void) {
         PyModule_AddIntConstant(m, "AGENT_ERROR", AGENT_ERROR) < 0 ||
         PyModule_AddIntConstant(m, "DISAGREE", DISAGREE) < 0 ||
         PyModule_AddIntConstant(m, "ROWS_DIFFER", ROWS_DIFFER) < 0 ||
+        PyModule_AddIntConstant(m, "ROWS_UNOWNED", ROWS_UNOWNED) < 0 ||
+        PyModule_AddIntConstant(m, "RECEIVE_ONLY", RECEIVE_ONLY) < 0 ||
         PyModule_AddIntConstant(m, "N_BUCKETS", N_BUCKETS) < 0) {
         Py_DECREF(m);
         return NULL;

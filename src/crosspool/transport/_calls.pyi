@@ -9,6 +9,8 @@ TIMEOUT: int
 AGENT_ERROR: int
 DISAGREE: int
 ROWS_DIFFER: int
+ROWS_UNOWNED: int
+RECEIVE_ONLY: int
 N_BUCKETS: int
 
 class RankChannel:
@@ -32,8 +34,9 @@ class RankChannel:
         spin_ns: int,
         slice_ns: int,
         buckets_ns: Sequence[int],
+        index_offset: int = 0,
     ) -> None: ...
-    def call(self, layer: int, in_ptr: int, out_ptr: int, rows: int, /) -> int: ...
+    def call(self, layer: int, in_ptr: int, out_ptr: int, rows: int, index_ptr: int = 0, total: int = 0, /) -> int: ...
     def probe(self, rows: int = 1, /) -> int: ...
 
 class AgentChannel:

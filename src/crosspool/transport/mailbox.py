@@ -15,11 +15,19 @@ With attention tensor parallelism the TP ranks of a DP rank hold the same hidden
 the same calls, so they share one mailbox: the first rank (the leader) publishes each call, the
 others (followers) wait for the same replies, read the same output planes and acknowledge on
 their own line; the leader publishes its next call only once every follower acknowledged the
-previous one, so planes are never overwritten while a follower still reads them. This is the
-replicated-row layout, the only one a mailbox serves: every reader hands the pool the same rows
-and gets all of them back. The leader publishes a 64-bit digest of its rows with the call and a
-follower checks its own rows against it: a follower whose layer, row count or rows differ fails
-its call (RankDisagreement) instead of taking the leader's result.
+previous one, so planes are never overwritten while a follower still reads them.
+The readers of a mailbox share its calls in one of two row layouts, fixed when it is created:
+* replicated (attention TP, and the context-parallel modes whose ranks gather every row): every
+  reader hands the pool the same rows and gets all of them back. The leader publishes a 64-bit
+  digest of its rows with the call and a follower checks its own rows against it.
+* local (context-parallel modes whose ranks hold different rows of one invocation): each call
+  carries the rank's `RowShare`, the invocation row of each of its rows. Every reader writes the
+  rows it sends at their invocation rows and arrives; the leader checks that the sent rows cover
+  the invocation once each, publishes once all arrived, and each reader gets back its rows. The
+  pool computes the whole invocation in its order, so a rank's rows come back as they would from
+  one rank holding all of them.
+A reader whose layer, row count, rows or row ownership disagree fails its call (RankDisagreement)
+instead of taking another rank's result.
 
 Waits are process-shared glibc semaphores (a reply semaphore per shard and reader, an ack
 semaphore per follower): `sem_post` enters the kernel only when the reader sleeps, and the
@@ -38,8 +46,10 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from crosspool.fabric.inbox import Inbox
@@ -62,8 +72,9 @@ _DTYPE_CODES = {name: code for code, name in enumerate(DTYPES)}
 SEQ_MASK = 0xFFFFFFFF
 
 # u32 word indices; words written by different processes sit on different 64-byte lines.
-W_MAGIC, W_MAX_ROWS, W_HIDDEN, W_DTYPE, W_OWNER_PID, W_SHARDS, W_READERS = 0, 1, 2, 3, 4, 5, 6  # creator
+W_MAGIC, W_MAX_ROWS, W_HIDDEN, W_DTYPE, W_OWNER_PID, W_SHARDS, W_READERS, W_LOCAL_ROWS = range(8)  # creator
 W_REQ_SEQ, W_LAYER, W_ROWS, W_SUBMIT_LO, W_SUBMIT_HI, W_RANK_PID, W_DIGEST_LO, W_DIGEST_HI = range(16, 24)  # the rank
+W_ROW_VERDICT = 24  # the leader, local rows: whether the readers' rows cover the invocation
 W_FENCE, W_FENCE_LEN = 32, 33  # the control plane
 MAX_SHARDS = 8
 W_RESP_SEQ, W_STATUS, W_ERR_LEN = 48, 49, 50  # the FFN side: shard i's words are 16 * i further
@@ -90,8 +101,10 @@ PROBE_LAYER = 0xFFFFFFFF
 """A layer index no model has: the FfnAgent answers without computing (Transport+Fabric latency)."""
 
 
-def mailbox_size(max_rows: int, hidden: int, dtype: str, shards: int = 1) -> int:
-    return DATA_OFFSET + (1 + shards) * max_rows * hidden * DTYPES[dtype].itemsize
+def mailbox_size(max_rows: int, hidden: int, dtype: str, shards: int = 1, readers: int = 1, local: bool = False) -> int:
+    """The planes, then with local rows each reader's row indices (a count, then a u32 per row)."""
+    indices = readers * (max_rows + 1) * 4 if local else 0
+    return DATA_OFFSET + (1 + shards) * max_rows * hidden * DTYPES[dtype].itemsize + indices
 
 
 def resp_word(shard: int) -> int:
@@ -124,11 +137,13 @@ class Mailbox:
         self.words = words
         self.max_rows, self.hidden, self.shards = words[W_MAX_ROWS], words[W_HIDDEN], words[W_SHARDS]
         self.readers = words[W_READERS]
+        self.local_rows = bool(words[W_LOCAL_ROWS])
         self.dtype = list(DTYPES.values())[words[W_DTYPE]]
         plane = self.max_rows * self.hidden * self.dtype.itemsize
         shape = (self.max_rows, self.hidden)
         self.input = seg.tensor(DATA_OFFSET, shape, self.dtype)
         self.outputs = [seg.tensor(DATA_OFFSET + (1 + i) * plane, shape, self.dtype) for i in range(self.shards)]
+        self.index_offset = DATA_OFFSET + (1 + self.shards) * plane if self.local_rows else 0
         self.reply_sems = [
             [
                 Semaphore(seg, REPLY_SEMS_OFFSET + (s * MAX_TP + r) * SEM_SIZE, create=create)
@@ -142,12 +157,21 @@ class Mailbox:
         self.stats = seg.mm_view(READER_STATS_OFFSET, DATA_OFFSET).cast("Q")
 
     @classmethod
-    def create(cls, name: str, max_rows: int, hidden: int, dtype: str, shards: int = 1, readers: int = 1) -> Mailbox:
+    def create(
+        cls,
+        name: str,
+        max_rows: int,
+        hidden: int,
+        dtype: str,
+        shards: int = 1,
+        readers: int = 1,
+        local_rows: bool = False,
+    ) -> Mailbox:
         assert 1 <= shards <= MAX_SHARDS and 1 <= readers <= MAX_TP, (shards, readers)
-        seg = Segment(name, mailbox_size(max_rows, hidden, dtype, shards), create=True)
+        seg = Segment(name, mailbox_size(max_rows, hidden, dtype, shards, readers, local_rows), create=True)
         w = seg.words
         w[W_MAX_ROWS], w[W_HIDDEN], w[W_DTYPE], w[W_SHARDS] = max_rows, hidden, _DTYPE_CODES[dtype], shards
-        w[W_READERS], w[W_OWNER_PID] = readers, os.getpid()
+        w[W_READERS], w[W_OWNER_PID], w[W_LOCAL_ROWS] = readers, os.getpid(), local_rows
         mailbox = cls(seg, create=True)
         w[W_MAGIC] = MAGIC
         return mailbox
@@ -214,6 +238,28 @@ class Mailbox:
 
 
 @dataclass(frozen=True)
+class RowShare:
+    """A rank's part of a layer call on a local-row mailbox: its row i is row `index[i]` of the
+    invocation's `total` rows. It sends the pool the rows it owns and gets all of its rows back; a
+    row several ranks hold is owned by one of them (the others get it back only)."""
+
+    index: np.ndarray
+    """u32 invocation rows; `RECEIVE_ONLY` set on the rows another rank sends."""
+    total: int
+
+    @classmethod
+    def of(
+        cls, rows: Sequence[int] | np.ndarray, total: int, owned: Sequence[bool] | np.ndarray | None = None
+    ) -> RowShare:
+        index = np.asarray(rows, dtype=np.int64)
+        assert index.ndim == 1 and (index.size == 0 or 0 <= index.min() <= index.max() < total), (index, total)
+        words = index.astype(np.uint32)
+        if owned is not None:
+            words[~np.asarray(owned, dtype=bool)] |= np.uint32(calls.RECEIVE_ONLY)
+        return cls(words, total)
+
+
+@dataclass(frozen=True)
 class RankLayout:
     """What one Instance rank's Transport needs to know: its mailbox, the execution group of every
     layer (FfnAgent ids in shard order), each agent's inbox, the call bound and its TP position."""
@@ -238,6 +284,7 @@ LAYOUT = {
     "submit_hi": W_SUBMIT_HI,
     "digest_lo": W_DIGEST_LO,
     "digest_hi": W_DIGEST_HI,
+    "row_verdict": W_ROW_VERDICT,
     "fence": W_FENCE,
     "resp_seq": W_RESP_SEQ,
     "status": W_STATUS,
@@ -293,6 +340,7 @@ class RankTransport:
             spin_ns=layout.spin_us * 1000,
             slice_ns=int(SLICE_S * 1e9),
             buckets_ns=LATENCY_BUCKETS_NS,
+            index_offset=mb.index_offset,
         )
         self._keep = (inboxes, self.peers)  # the channel points into their mappings and pidfds
         if self.reader:
@@ -309,27 +357,53 @@ class RankTransport:
         """Tell the daemon this rank lives (it reads the timestamp from the mailbox)."""
         self.stats[R_HEARTBEAT_NS] = time.monotonic_ns()
 
-    def call(self, layer: int, hidden: torch.Tensor, out: torch.Tensor) -> None:
-        """FFN of layer `layer` for `hidden` [rows, hidden] into `out` (same shape and dtype)."""
+    def call(self, layer: int, hidden: torch.Tensor, out: torch.Tensor, share: RowShare | None = None) -> None:
+        """FFN of layer `layer` for `hidden` [rows, hidden] into `out` (same shape and dtype); on a
+        local-row mailbox `share` says which invocation rows `hidden` holds."""
         rows = hidden.shape[0]
         if hidden.dtype != self.dtype or hidden.dim() != 2 or hidden.shape[1] != self.hidden or rows > self.max_rows:
             raise self._rejected(layer, hidden)
-        if rows == 0:
+        if (share is not None) != self.mailbox.local_rows:
+            layout = "local rows: a call needs its RowShare" if self.mailbox.local_rows else "replicated rows"
+            raise FfnCallRejected(f"FFN call for layer {layer} of {self.model}: the mailbox holds {layout}")
+        if share is not None:
+            if share.index.shape != (rows,) or not 0 < share.total <= self.max_rows:
+                raise FfnCallRejected(
+                    f"FFN call for layer {layer} of {self.model}: {rows} rows with a RowShare of "
+                    f"{share.index.size} rows out of {share.total} (the mailbox holds {self.max_rows})"
+                )
+            status = self._call(layer, hidden, out, share)
+            rows = share.total  # what the ranks' calls are compared by
+        elif rows == 0:
             return
+        else:
+            status = self._call(layer, hidden, out, None)
+        if status:
+            raise self._failure(status, layer, rows)
+
+    def _call(self, layer: int, hidden: torch.Tensor, out: torch.Tensor, share: RowShare | None) -> int:
         if out.shape != hidden.shape or out.dtype != self.dtype:
             raise FfnCallRejected(
                 f"FFN call for layer {layer} of {self.model}: output {list(out.shape)} {out.dtype} for input "
                 f"{list(hidden.shape)} {hidden.dtype}"
             )
         target = out if out.is_contiguous() else torch.empty_like(hidden, memory_format=torch.contiguous_format)
-        status = self.channel.call(layer, hidden.contiguous().data_ptr(), target.data_ptr(), rows)
-        if status:
-            raise self._failure(status, layer, rows)
-        if target is not out:
+        source = hidden.contiguous()
+        if share is None:
+            status = self.channel.call(layer, source.data_ptr(), target.data_ptr(), hidden.shape[0])
+        else:
+            index = np.ascontiguousarray(share.index)
+            status = self.channel.call(
+                layer, source.data_ptr(), target.data_ptr(), hidden.shape[0], index.ctypes.data, share.total
+            )
+        if not status and target is not out:
             out.copy_(target)
+        return status
 
     def probe(self, rows: int = 1) -> None:
         """A call the first FfnAgent answers without computing: the Transport+Fabric round trip."""
+        if self.mailbox.local_rows:
+            raise FfnCallRejected(f"a probe of {self.model}: its mailbox holds local rows, and a probe has none")
         status = self.channel.probe(rows)
         if status:
             raise self._failure(status, None, rows)
@@ -361,6 +435,12 @@ class RankTransport:
             return RankDisagreement(
                 f"attention TP ranks of {self.model} disagree: call {self.seq} is layer {w[W_LAYER]} with "
                 f"{w[W_ROWS]} rows on rank 0, layer {layer} with {rows} rows on rank {self.reader}"
+            )
+        if status == calls.ROWS_UNOWNED:
+            return RankDisagreement(
+                f"the ranks of {self.model} do not own the rows of call {self.seq} (layer {layer}) once each: "
+                f"the rows they send must cover its {rows} rows exactly, and every row they get "
+                "back must be one of them"
             )
         if status == calls.ROWS_DIFFER:
             return RankDisagreement(
