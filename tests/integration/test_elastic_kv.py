@@ -8,8 +8,8 @@ budget, too small for both bursts at once; each engine is donor and borrower in 
 * a donor whose running requests hold its tail blocks keeps them (the transfer waits, then takes
   what was free) and its requests end complete and unchanged;
 * prefix-cache hits vanish with the reclaimed blocks and come back once the cache is repopulated;
-* TP 2 groups (tiny Qwen3, one per engine) release their range on both ranks, grow with one
-  decision for both ranks and serve after it.
+* two-rank groups (tiny Qwen3: vLLM TP 2, SGLang zigzag prefill CP 2) release their range on both
+  ranks, grow with one decision for both ranks (SGLang's CP ranks vote) and serve after it.
 
 One deployment per test class, alive for that class only: an idle SGLang scheduler polls at 100%
 of a CPU.
@@ -29,7 +29,7 @@ from conftest import LiveDeployment, assert_nothing_left, leftover_files, projec
 from crosspool import host
 from crosspool.integrations.sglang.launch import host_problems
 from crosspool.kv.backing import rss_bytes
-from crosspool.qualify.serving import prompts
+from crosspool.qualify.serving import CP_SPLIT, prompts
 
 pytestmark = pytest.mark.engine
 
@@ -297,9 +297,10 @@ class TestPair:
 @pytest.fixture(scope="class")
 def tp2(tiny_served, tmp_path_factory):
     # 4 ranks on the host's CPUs: b's idle schedulers sleep instead of polling (SGLang's sleep_on_idle)
-    sglang = (
-        "attention_tp = 2\nengine_args = { sleep_on_idle = true }" if ENGINE["b"] == "sglang" else "attention_tp = 2"
-    )
+    # b under SGLang: prefill CP 2 (its tp_size 2 is the two CP ranks, each with all KV heads)
+    cp = 'attn_cp_size = 2, enable_prefill_cp = true, cp_strategy = "zigzag"'
+    sglang = f"attention_tp = 2\nengine_args = {{ sleep_on_idle = true, {cp} }}"
+    sglang = sglang if ENGINE["b"] == "sglang" else "attention_tp = 2"
     text = _text(str(tiny_served), 0.25, {"a": "attention_tp = 2", "b": sglang})
     yield from _live(tmp_path_factory, "elastic-tp2", text.replace("engine_args = { enable_cache_report = true }", ""))
 
@@ -307,7 +308,8 @@ def tp2(tiny_served, tmp_path_factory):
 class TestTp2:
     def test_tp2_groups_release_on_both_ranks_and_grow_together(self, tp2):
         """Both groups release on both ranks at attach; the one whose ranks vote (SGLang: a scheduler
-        per rank) grows with a burst; vLLM's one EngineCore decides for both ranks."""
+        per CP rank) grows with a burst its CP ranks split; vLLM's one EngineCore decides for both
+        ranks."""
         d = tp2.get()
         start = _settle(d)
         for m in "ab":
@@ -324,3 +326,5 @@ class TestTp2:
             grown
         )
         assert all(m["state"] == "serving" for m in d.status()["models"].values())
+        if ENGINE["b"] == "sglang":  # each CP rank split a prefill
+            assert "".join(d.stderr).count(CP_SPLIT) == 2, d.stderr[-20:]  # two ranks' lines may share one

@@ -1,9 +1,10 @@
 """`crosspool qualify --all --serving --mode eager --lanes 1` as CI runs it: a real FFN pool (FFN TP
 1 and 2) against the families' own transformers MLP / MoE modules with each engine's kernels, MoE
 routing, 1,000-call structural runs, and the serving topology matrix through real vLLM engines
-(attention TP/DP x FFN TP, executor lanes 1). Its other half (lanes 2, compile mode) runs outside
-CI as `crosspool qualify --serving` (evidence in docs/evidence); executor lanes 2 serve in CI in
-test_deployments.py (two engines on one pool) and compile mode in test_vllm_tokens.py."""
+(attention TP/DP x FFN TP, executor lanes 1) and SGLang prefill CP 2. Its other half (lanes 2,
+compile mode) runs outside CI as `crosspool qualify --serving` (evidence in docs/evidence);
+executor lanes 2 serve in CI in test_deployments.py (two engines on one pool) and compile mode in
+test_vllm_tokens.py."""
 
 from __future__ import annotations
 
@@ -33,7 +34,9 @@ def test_qualify_all_passes(tiny_models, smollm2, no_leftovers, tmp_path):
     assert "moe-routing/vllm/tiny-qwen3_moe/layer1/rows4096" in planned
     assert not any("/sglang/tiny-qwen3_moe/" in case for case in planned)  # SGLang serves no MoE family
     rows = [v for v in verdicts if v["case"].startswith("serving/")]
-    assert len(rows) == 6 and all(v["layer_calls"] >= 1000 for v in rows)
+    assert len(rows) == 7 and all(v["layer_calls"] >= 1000 for v in rows)
+    (cp,) = [v for v in rows if "/attn-cp2-zigzag/" in v["case"]]  # SGLang prefill CP 2 vs native CP 1
+    assert cp["identical_prefix"] == [72] * 8 and cp["cp_ranks_that_split"] == 2
     identical = [v for v in rows if v["case"].startswith("serving/attn-tp2-dp1/ffn-tp2/")]
     assert len(identical) == 1 and identical[0]["identical_prefix"] == [72] * 8  # native TP 2
     two_models = [v for v in rows if "concurrent_models" in v]  # the DP rows: two models on one pool

@@ -174,14 +174,20 @@ def test_restart_decision(tiny_models):
 
 def test_every_example_deployment_resolves(smollm2, tiny_served):
     """Each shipped example passes the deployment check (the two with SmolLM2 alone are also
-    served in test_deployments.py)."""
+    served in test_deployments.py, the context-parallel one by qualify's CP row)."""
     from conftest import EXAMPLES, example_text
     from crosspool.resolve import resolve
 
     names = sorted(p.stem for p in EXAMPLES.glob("*.toml"))
-    assert names == ["mixed-engines", "smollm2", "two-models"]
+    assert names == ["context-parallel", "mixed-engines", "smollm2", "two-models"]
     for name in names:
         d = resolve(parse_deployment(example_text(name, 18000, 18001), name)).deployment
+        if name == "context-parallel":  # the deployment qualify's CP row serves over HTTP
+            from crosspool.qualify.serving import CP_MODEL
+
+            qualified = parse_deployment(f'[[model]]\nid = "qwen3-cp2"\npath = "{tiny_served}"\n{CP_MODEL}').model
+            assert d.model == qualified
+            continue
         smollm2_models = [m for m in d.model if m.path == smollm2.resolve()]
         assert smollm2_models and all(m.dtype == "float32" for m in smollm2_models)  # the right answer on every CPU
 

@@ -47,11 +47,29 @@ def test_every_cited_line_says_what_the_page_quotes():
     [
         ("vllm", {"decode_context_parallel_size": 2}, "vLLM's CPU attention does not"),
         ("vllm", {"prefill_context_parallel_size": 2}, "Model Runner V2, which needs Triton"),
-        ("sglang", {"attn_cp_size": 2}, "CPU backends (torch_native, intel_amx) have no CP hooks"),
-        ("sglang", {"enable_prefill_cp": True, "cp_strategy": "zigzag"}, "have no CP hooks"),
         ("sglang", {"dcp_size": 2}, "its CPU backends have none"),
     ],
 )
 def test_each_cp_option_is_refused_in_one_line_naming_the_engine_piece(engine, args, reason):
     problems = (vllm_options if engine == "vllm" else sglang_options).engine_arg_problems(args)
     assert len(problems) == 1 and reason in problems[0] and "\n" not in problems[0], problems
+
+
+ZIGZAG = {"attn_cp_size": 2, "enable_prefill_cp": True, "cp_strategy": "zigzag"}
+
+
+@pytest.mark.parametrize(
+    ("args", "tp", "architecture", "reason"),
+    [
+        (ZIGZAG, 2, "Qwen3ForCausalLM", None),
+        (ZIGZAG, 2, "Qwen2ForCausalLM", None),
+        ({}, 2, "LlamaForCausalLM", None),
+        ({"attn_cp_size": 2}, 2, "Qwen3ForCausalLM", "prefill CP needs both"),
+        ({**ZIGZAG, "cp_strategy": "interleave"}, 2, "Qwen3ForCausalLM", "interleave strategy is for DSA"),
+        (ZIGZAG, 4, "Qwen3ForCausalLM", "must equal the attention TP (4)"),
+        (ZIGZAG, 2, "LlamaForCausalLM", "sizes its attention heads by the whole TP group"),
+    ],
+)
+def test_sglang_admits_zigzag_prefill_cp_only(args, tp, architecture, reason):
+    problems = sglang_options.prefill_cp_problems(args, tp, architecture)
+    assert problems == [] if reason is None else (len(problems) == 1 and reason in problems[0]), problems

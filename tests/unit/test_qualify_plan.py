@@ -17,7 +17,9 @@ def _qualify(*args: str) -> subprocess.CompletedProcess:
 def test_serving_rows_are_the_matrix():
     assert len(serving.MATRIX) == 3 * 2 * 2 * 2  # attention (TP, DP) x FFN TP x lanes x mode
     eager_lanes1 = serving.planned_cases((1,), ("eager",))
-    assert len(eager_lanes1) == 6 and all(c.endswith("/lanes1/eager") for c in eager_lanes1)
+    assert len(eager_lanes1) == 7 and all(c.endswith("/lanes1/eager") for c in eager_lanes1)
+    assert eager_lanes1[-1] == serving.CP_CASE  # the SGLang prefill-CP row, eager and lanes 1 only
+    assert serving.CP_CASE not in serving.planned_cases((2,), ("eager", "compile"))
 
 
 def test_a_model_no_engine_serves_is_refused(tiny_models):

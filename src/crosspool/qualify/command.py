@@ -42,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--serving",
         action="store_true",
-        help="also the serving topology matrix through real vLLM engines (crosspool.qualify.serving)",
+        help="also the serving topology matrix through real engines: vLLM topologies and SGLang prefill CP "
+        "(crosspool.qualify.serving)",
     )
     p.add_argument(
         "--lanes",

@@ -1,4 +1,4 @@
-"""`crosspool qualify --serving`: greedy serving per topology through real vLLM engines.
+"""`crosspool qualify --serving`: greedy serving per topology through real engines.
 
 Rows: attention (TP, DP) in {(1,1), (2,1), (1,2)} x FFN TP in {1, 2} x executor lanes in {1, 2}
 x execution mode (eager, or vLLM's torch.compile), on a tiny random Qwen3 (SmolLM2's tokenizer);
@@ -13,6 +13,9 @@ TP, lanes and mode for DP rows. Where no native configuration does the same arit
 first step's logits must meet the FFN tolerances against native (normalised RMSE
 <= 0.01, max scaled error <= 0.10) and the verdict reports each prompt's identical greedy prefix.
 Structure: every row makes >= 1,000 layer calls with no failure in the generation.
+
+One context-parallel row (eager, lanes 1): SGLang zigzag prefill CP 2 through CrossPool, token-
+identical to native SGLang at CP 1, with both CP ranks having split a batch.
 """
 
 from __future__ import annotations
@@ -158,8 +161,9 @@ def single_rank_rows(
 
 
 @contextlib.contextmanager
-def _daemon(text: str) -> Iterator[tuple[str, str]]:
-    """`crosspool daemon` on a deployment file, as a user runs it; stopped (and killed if need be) after."""
+def _daemon(text: str) -> Iterator[tuple[str, str, Path]]:
+    """`crosspool daemon` on a deployment file, as a user runs it: (front URL, control URL, its
+    log); stopped (and killed if need be) after."""
     with tempfile.TemporaryDirectory(prefix="crosspool-qualify-") as tmp:
         port, control = bind_port("127.0.0.1"), bind_port("127.0.0.1")
         file = Path(tmp) / "dp.toml"
@@ -175,8 +179,8 @@ def _daemon(text: str) -> Iterator[tuple[str, str]]:
             if not line.startswith("crosspool: ready"):
                 text = log.read_text()
                 failures = [line for line in text.splitlines() if line.startswith("crosspool: failure")]
-                raise RuntimeError(f"qualify: the DP deployment did not start: {failures}\n{text[-3000:]}")
-            yield f"http://127.0.0.1:{port}", f"http://127.0.0.1:{control}"
+                raise RuntimeError(f"qualify: the deployment did not start: {failures}\n{text[-3000:]}")
+            yield f"http://127.0.0.1:{port}", f"http://127.0.0.1:{control}", log
         finally:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
@@ -204,7 +208,7 @@ def data_parallel_rows(
     Returns rather than yields, so the daemon is always stopped before a caller sees a verdict."""
     rows = [r for r in MATRIX if (r.lanes, r.mode) == (lanes, mode) and r.attention_dp == 2]
     verdicts: list[dict[str, Any]] = []
-    with _daemon(_pool(rows, path, lanes)) as (url, control):
+    with _daemon(_pool(rows, path, lanes)) as (url, control, _):
         got: dict[str, list[list[int]]] = {}
         threads = [
             threading.Thread(target=lambda r=r: got.__setitem__(r.model_id, _served_tokens(url, r.model_id, work)))
@@ -252,8 +256,54 @@ def executed_per_model(metrics: str) -> dict[str, int]:
     return out
 
 
+CP_CASE = "serving/sglang/attn-cp2-zigzag/ffn-tp1/lanes1/eager"
+CP_MODEL = (
+    'engine = "sglang"\nmax_model_len = 1024\nattention_tp = 2\ndtype = "float32"\n'
+    'engine_args = { attn_cp_size = 2, enable_prefill_cp = true, cp_strategy = "zigzag" }\n'
+)
+"""The CP model as examples/context-parallel.toml serves it. float32: in bf16 CP changes the row
+counts of the attention projections' GEMMs (each rank projects its own tokens), whose rounding
+depends on the row count, and greedy tokens of the random model drift from CP 1's."""
+CP_SPLIT = "zigzag prefill CP through"
+"""What each CP rank logs at its first split batch (integrations/sglang/cp.py)."""
+
+
+def context_parallel_row(path: Path, work: list[list[int]]) -> dict[str, Any]:
+    """SGLang zigzag prefill CP 2 served through CrossPool over HTTP against native SGLang at CP 1:
+    every prompt (4 tokens or more) is split over the two CP ranks at prefill; the MLP rows SGLang
+    gathers reach the pool once per layer. The greedy tokens must be identical."""
+    from crosspool.bench.overhead import START_TIMEOUT_S, native_server, wait_ready  # bench imports this module
+
+    text = f'[limits]\nmax_batched_tokens = {MAX_BATCHED}\n[[ffn_agent]]\nid = "ffn0"\n'
+    text += f'[[model]]\nid = "cp2"\npath = "{path}"\n{CP_MODEL}'
+    with _daemon(text) as (url, control, log):
+        got = _served_tokens(url, "cp2", work)
+        failure = httpx.get(control + "/status", timeout=10).json().get("failure")
+        calls = _settled_executed(control).get("cp2", 0)
+        split_ranks = log.read_text().count(CP_SPLIT)
+    cp2 = parse_deployment(text).model[0]
+    native = cp2.model_copy(update={"attention_tp": 1, "rank_cpus": [[0]], "engine_args": {}})
+    with tempfile.TemporaryDirectory(prefix="crosspool-qualify-") as tmp:
+        log = Path(tmp) / "native.log"
+        with log.open("w") as sink, native_server(native, [[0]], sink, "native-cp1") as side:
+            wait_ready([side], log, time.monotonic() + START_TIMEOUT_S)
+            reference = _served_tokens(side.url, "cp2", work)
+    prefixes = [identical_prefix(a, b) for a, b in zip(got, reference, strict=True)]
+    ok = got == reference and calls >= STRUCTURAL_CALLS and failure is None and split_ranks == 2
+    return {
+        "case": CP_CASE,
+        "reference": "native SGLang CP 1 (attention TP 1) eager",
+        "identical_prefix": prefixes,
+        "layer_calls": calls,
+        "cp_ranks_that_split": split_ranks,
+        "failure": failure,
+        "pass": ok,
+    }
+
+
 def planned_cases(lanes_options: tuple[int, ...], modes: tuple[str, ...]) -> list[str]:
-    return [f"serving/{row.name}" for row in MATRIX if row.lanes in lanes_options and row.mode in modes]
+    cp = [CP_CASE] if 1 in lanes_options and "eager" in modes else []
+    return [f"serving/{row.name}" for row in MATRIX if row.lanes in lanes_options and row.mode in modes] + cp
 
 
 def qualify_serving(
@@ -273,6 +323,8 @@ def qualify_serving(
                 if row.attention_tp == 1:
                     single[row.ffn_tp, lanes, mode] = got
             yield from data_parallel_rows(path, work, single, lanes, mode)
+    if 1 in lanes_options and "eager" in modes:
+        yield context_parallel_row(path, work)
 
 
 def default_model() -> Path:

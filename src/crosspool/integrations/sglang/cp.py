@@ -1,14 +1,16 @@
-"""SGLang's prefill context-parallel row split, computed by the engine's own strategies
-(`layers/cp/zigzag.py`, `layers/cp/interleave.py`; docs/context-parallel.md): which rows of a
-prefill batch each CP rank holds, as the RowShares its layer calls would carry."""
+"""SGLang prefill context parallelism (docs/context-parallel.md): the row split of the engine's own
+strategies (`layers/cp/zigzag.py`, `layers/cp/interleave.py`) as RowShares, and the zigzag
+attention SGLang's torch_native backend lacks, which CrossPool supplies to serve CP on CPU."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+import sys
+from types import ModuleType, SimpleNamespace
+from typing import Any
+
+import torch
 
 from crosspool.transport.mailbox import RowShare
-
-STRATEGIES = ("zigzag", "interleave")
 
 
 def prefill_cp_shares(strategy: str, cp_size: int, extend_lens: list[int]) -> list[RowShare] | None:
@@ -31,3 +33,91 @@ def prefill_cp_shares(strategy: str, cp_size: int, extend_lens: list[int]) -> li
         batch.attn_cp_metadata = ranked.build_metadata(total, extend_lens, extend_lens)
         shares.append(RowShare.of(ranked.local_q_indices(total, batch).numpy(), total))
     return shares
+
+
+def install_torch_native_prefill_cp() -> None:
+    """Zigzag prefill CP for SGLang's torch_native attention, which has no CP hooks (its
+    forward_extend writes the rank's local K/V at the batch's full cache locations and fails).
+    What FlashAttention does under zigzag (`flashattention_backend.py`, `layers/cp/zigzag.py`),
+    with the engine's own pieces: `materialize_full_kv` all-gathers K/V over the CP group and
+    writes the whole batch's K/V on every rank; then each of the rank's two query blocks per
+    sequence attends causally to the KV before and up to it (`kv_len_prev` / `kv_len_next`), as an
+    extend of that length. Pad rows (ranks hold up to `max_rank_len`) are zero. Batches the
+    strategy does not split (decode, short prefills) run the backend's own path."""
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+    from sglang.srt.layers.cp.base import ContextParallelStrategyKind, get_cp_strategy
+
+    native = TorchNativeAttnBackend.forward_extend
+    if getattr(native, "crosspool_cp", False):
+        return
+    announced: list[bool] = []
+
+    def forward_extend(
+        self: TorchNativeAttnBackend,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: Any,
+        forward_batch: Any,
+        save_kv_cache: bool = True,
+    ) -> torch.Tensor:
+        meta = forward_batch.attn_cp_metadata
+        if meta is None:
+            return native(self, q, k, v, layer, forward_batch, save_kv_cache)
+        strategy = get_cp_strategy()
+        assert strategy is not None and strategy.kind == ContextParallelStrategyKind.ZIGZAG, strategy
+        if not announced:
+            announced.append(True)  # once per rank: the evidence that a batch was split
+            sys.stderr.write(  # one write: the ranks share the engine's output pipe
+                f"crosspool: CP rank {strategy.cp_rank} of {strategy.cp_size}: zigzag prefill CP through "
+                "CrossPool's torch_native attention\n"
+            )
+            sys.stderr.flush()
+        assert not layer.is_cross_attention and save_kv_cache and k is not None and v is not None
+        strategy.materialize_full_kv(forward_batch, layer, k, v)
+        q_ = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
+        o = q.new_zeros((q.shape[0], layer.tp_q_head_num * layer.v_head_dim))
+        o_ = o.view(-1, layer.tp_q_head_num, layer.v_head_dim)
+        start = 0
+        for q_lens, kv_lens in (
+            (meta.actual_seq_q_prev_tensor, meta.kv_len_prev_tensor),
+            (meta.actual_seq_q_next_tensor, meta.kv_len_next_tensor),
+        ):
+            end = start + int(q_lens.sum())
+            self._run_sdpa_forward_extend(
+                q_[start:end],
+                o_[start:end],
+                self.token_to_kv_pool.get_key_buffer(layer.layer_id),
+                self.token_to_kv_pool.get_value_buffer(layer.layer_id),
+                self.req_to_token_pool.req_to_token,
+                forward_batch.req_pool_indices,
+                kv_lens,
+                kv_lens - q_lens,
+                q_lens,
+                None,
+                scaling=layer.scaling,
+                enable_gqa=layer.tp_q_head_num != layer.tp_k_head_num,
+                causal=True,
+            )
+            start = end
+        return o
+
+    forward_extend.crosspool_cp = True  # type: ignore[attr-defined]
+    TorchNativeAttnBackend.forward_extend = forward_extend  # type: ignore[method-assign]
+    _cpu_stream_for_eager_runner()
+
+
+class _NoCudaStream(ModuleType):
+    """torch for SGLang's eager runner, whose CP path asks `torch.cuda.current_stream()` (a CPU
+    build raises) only to hand it to the strategy's gather, which zigzag ignores."""
+
+    def __init__(self) -> None:
+        super().__init__("torch")
+        self.__dict__.update(torch.__dict__)
+        self.cuda = SimpleNamespace(**{**vars(torch.cuda), "current_stream": lambda device=None: None})
+
+
+def _cpu_stream_for_eager_runner() -> None:
+    from sglang.srt.model_executor.runner import eager_runner
+
+    eager_runner.torch = _NoCudaStream()  # type: ignore[attr-defined]

@@ -15,7 +15,7 @@ import torch
 from crosspool import envs
 from crosspool.config import ModelConfig
 from crosspool.integrations import command_flags, threads_bind
-from crosspool.integrations.sglang.options import FAMILIES, engine_arg_problems
+from crosspool.integrations.sglang.options import FAMILIES, engine_arg_problems, prefill_cp_problems
 from crosspool.models.spec import ActivationMath, dtype_bytes
 
 ENGINE = "sglang"
@@ -63,6 +63,10 @@ def host_problems() -> list[str]:
 def model_problems(model: ModelConfig) -> list[str]:
     """What of this model's configuration SGLang cannot serve with CrossPool (field named)."""
     problems = host_problems() + engine_arg_problems(model.engine_args)
+    if any(k.replace("-", "_") in ("attn_cp_size", "enable_prefill_cp") for k in model.engine_args):
+        args = {k.replace("-", "_"): v for k, v in model.engine_args.items()}
+        architecture = json.loads((model.path / "config.json").read_text())["architectures"][0]
+        problems += [f"engine_args.{p}" for p in prefill_cp_problems(args, model.attention_tp, architecture)]
     if model.attention_dp != 1:
         # Its DP controller's replicas would attach as ranks dp * tp + tp_rank, but no run has
         # checked them against native SGLang DP: refused until qualified (vLLM serves DP).

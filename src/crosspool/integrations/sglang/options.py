@@ -3,6 +3,7 @@ data: no sglang import. Names and defaults are sglang 0.5.23's (`srt/arg_groups/
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from crosspool.integrations import refusals
@@ -10,10 +11,6 @@ from crosspool.integrations import refusals
 # Dense families whose MLP class the plugin replaces (MoE families are not served through SGLang yet).
 FAMILIES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
-_NO_PREFILL_CP = (
-    "prefill context parallelism is implemented by SGLang's FlashAttention and TRT-LLM MHA backends "
-    "only (GPU); its CPU backends (torch_native, intel_amx) have no CP hooks (docs/context-parallel.md)"
-)
 _NO_DECODE_CP = (
     "decode context parallelism is implemented by SGLang's GPU attention backends only (triton, the MLA "
     "backends); its CPU backends have none (docs/context-parallel.md)"
@@ -36,8 +33,6 @@ UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "moe_dense_tp_size": (None, _LAYOUT),
     "enable_layernorm_sp": (False, _LAYOUT),
     "enable_attn_tp_input_scattered": (False, _LAYOUT),
-    "attn_cp_size": (1, _NO_PREFILL_CP),
-    "enable_prefill_cp": (False, _NO_PREFILL_CP),
     "dcp_size": (1, _NO_DECODE_CP),
     "ep_size": (1, "expert parallelism belongs to the FFN pool, not the engine"),
     "moe_a2a_backend": ("none", "expert parallelism belongs to the FFN pool, not the engine"),
@@ -81,3 +76,40 @@ OWNED = {
 
 def engine_arg_problems(engine_args: dict[str, Any]) -> list[str]:
     return refusals.engine_arg_problems(engine_args, UNSUPPORTED, OWNED)
+
+
+PREFILL_CP_FAMILIES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+"""Dense families whose SGLang attention is sized by the attention TP group (Llama's by the whole
+TP group, `models/llama.py`: not wired for attn_cp_size > 1)."""
+
+
+def prefill_cp_problems(args: Mapping[str, Any], tp_size: int, architecture: str) -> list[str]:
+    """The one CP mode CrossPool serves through SGLang: zigzag prefill CP (`attn_cp_size` =
+    `tp_size`, `enable_prefill_cp`), torch_native attention with CrossPool's CP hook
+    (integrations/sglang/cp.py), dense Qwen2/Qwen3. A line per reason otherwise."""
+    cp, enabled = args.get("attn_cp_size", 1), args.get("enable_prefill_cp", False)
+    strategy = args.get("cp_strategy", "zigzag")
+    if cp == 1 and not enabled:
+        return []
+    problems = []
+    if cp < 2 or not enabled:
+        problems.append(
+            f"attn_cp_size={cp}, enable_prefill_cp={enabled}: prefill CP needs both (attn_cp_size >= 2 and "
+            "enable_prefill_cp = true)"
+        )
+    if strategy != "zigzag":
+        problems.append(
+            f"cp_strategy={strategy!r}: only zigzag is served; SGLang's interleave strategy is for DSA "
+            "(sparse MLA) attention only"
+        )
+    if cp != tp_size:
+        problems.append(
+            f"attn_cp_size={cp}: must equal the attention TP ({tp_size}); CP with attention TP > 1 inside "
+            "each CP rank is not qualified"
+        )
+    if architecture not in PREFILL_CP_FAMILIES:
+        problems.append(
+            f"{architecture}: SGLang sizes its attention heads by the whole TP group, so prefill CP would "
+            f"split heads wrongly (served: {', '.join(PREFILL_CP_FAMILIES)})"
+        )
+    return problems

@@ -22,7 +22,7 @@ import torch
 
 from crosspool import envs, ops
 from crosspool.integrations.refusals import runtime_problems
-from crosspool.integrations.sglang.options import FAMILIES, UNSUPPORTED
+from crosspool.integrations.sglang.options import FAMILIES, UNSUPPORTED, prefill_cp_problems
 from crosspool.integrations.standin import FfnStandIn, attach_rank, filter_ffn_weights
 from crosspool.ipc import die_with_supervisor
 from crosspool.member import load_membership
@@ -41,6 +41,8 @@ def _runtime_problems(model: ModelPlan) -> list[str]:
     # Resolution turns some unset fields into empty values (custom_weight_loader None -> []).
     seen = {k: UNSUPPORTED[k][0] if not v and not UNSUPPORTED[k][0] else v for k, v in seen.items()}
     problems = runtime_problems(seen, UNSUPPORTED)
+    cp = {k: getattr(args, k) for k in ("attn_cp_size", "enable_prefill_cp", "cp_strategy")}
+    problems += prefill_cp_problems(cp, args.tp_size, _state["spec"].architecture)
     if args.tp_size != model.attention_tp:
         problems.append(f"tp_size={args.tp_size} is not the planned {model.attention_tp}")
     if args.dp_size != model.attention_dp:
@@ -136,6 +138,9 @@ def register() -> None:
         if spec.architecture not in FAMILIES:
             raise ValueError(f"{spec.architecture} is not served through SGLang (supported: {', '.join(FAMILIES)})")
         _filter_ffn_weights(spec.ffn_keys)
+        from crosspool.integrations.sglang.cp import install_torch_native_prefill_cp
+
+        install_torch_native_prefill_cp()  # only batches SGLang splits for prefill CP take it
         from sglang.srt.models import llama, qwen2, qwen3
 
         # Module globals, read when the decoder layers are built; qwen3 imports Qwen2MLP as Qwen3MLP.
