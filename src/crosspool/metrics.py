@@ -33,6 +33,8 @@ class MemberMetrics(BaseModel):
     """Front: model -> HTTP status class ("2xx", "4xx", "5xx") -> requests."""
     inflight: Count | None = None
     """Front: requests being answered."""
+    at_engine: dict[Key, Count] = Field(default_factory=dict, max_length=64)
+    """Front: model -> requests sent to its engine and not yet answered in full."""
 
 
 @dataclass

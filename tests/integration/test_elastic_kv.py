@@ -9,7 +9,8 @@ budget, too small for both bursts at once; each engine is donor and borrower in 
   what was free) and its requests end complete and unchanged;
 * prefix-cache hits vanish with the reclaimed blocks and come back once the cache is repopulated;
 * two-rank groups (tiny Qwen3: vLLM TP 2, SGLang zigzag prefill CP 2) release their range on both
-  ranks, grow with one decision for both ranks (SGLang's CP ranks vote) and serve after it.
+  ranks, grow with one decision for both ranks (SGLang's CP ranks vote) and serve after it; a
+  stopped EngineCore under load is named as a stalled step.
 
 One deployment per test class, alive for that class only: an idle SGLang scheduler polls at 100%
 of a CPU.
@@ -17,6 +18,7 @@ of a CPU.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -25,7 +27,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import LiveDeployment, assert_nothing_left, leftover_files, project_processes
+from conftest import LiveDeployment, assert_nothing_left, frozen, leftover_files, project_processes
 from crosspool import host
 from crosspool.integrations.sglang.launch import host_problems
 from crosspool.kv.backing import rss_bytes
@@ -328,3 +330,28 @@ class TestTp2:
         assert all(m["state"] == "serving" for m in d.status()["models"].values())
         if ENGINE["b"] == "sglang":  # each CP rank split a prefill
             assert "".join(d.stderr).count(CP_SPLIT) == 2, d.stderr[-20:]  # two ranks' lines may share one
+
+    def test_a_stalled_engine_step_is_named_within_its_bound(self, tp2):
+        """vLLM's EngineCore stopped while its API server answers and both TP workers beat: a
+        request sits at the engine and no layer call comes. The daemon names the stall within
+        limits.engine_health_timeout_s (default 10 s) and the request ends with 503 naming it.
+        Last in its class: the deployment ends (restart = false)."""
+        from crosspool.bench.procs import role_of
+
+        d = tp2.get()
+        core = _worker_pid(d, "a")
+        while role_of(core) != "EngineCore":  # the workers are the EngineCore's children
+            core = int(Path(f"/proc/{core}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        with contextlib.suppress(ProcessLookupError), frozen(core), ThreadPoolExecutor(1) as pool:  # the stop kills it
+            sent_at = time.monotonic()
+            held = pool.submit(
+                httpx.post, d.url + "/v1/completions", json={"model": "a", "prompt": [1, 2, 3]}, timeout=60
+            )
+            while (failure := d.status()["failure"]) is None:
+                assert time.monotonic() - sent_at < 10 + 3, "the stalled step was not noticed"
+                time.sleep(0.2)
+            assert "Instance 'a' made no layer call for" in failure and "its step stalled" in failure, failure
+            # The front answers it once the engine is stopped: the drain's grace, then the engine's
+            # stop (seen: 20 s after the failure).
+            answer = held.result(timeout=60)
+        assert answer.status_code == 503 and "its step stalled" in answer.text, answer.text

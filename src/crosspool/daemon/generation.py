@@ -26,7 +26,7 @@ from crosspool import envs
 from crosspool.config import Deployment
 from crosspool.cpus import place_tree
 from crosspool.daemon.control import ControlState
-from crosspool.daemon.health import EngineProbe
+from crosspool.daemon.health import EngineProbe, StepWatch
 from crosspool.daemon.kv import KvBudgetError, KvPools
 from crosspool.daemon.supervisor import Child, Supervisor, log
 from crosspool.fabric.inbox import Inbox
@@ -62,6 +62,7 @@ class Generation:
         self.kv = KvPools(plan) if plan.kv_groups else None
         state.kv = self.kv
         self.probe: EngineProbe | None = None  # once serving
+        self.steps = StepWatch()
 
     def log(self, message: str) -> None:
         log(f"generation {self.plan.generation}: {message}")
@@ -247,16 +248,38 @@ class Generation:
             if death is not None:
                 self.state.fail(death.reason, death.kind)
             silent = None if self.probe is None else self.probe.silent(self.deployment.limits.engine_health_timeout_s)
+            bound = self.deployment.limits.engine_health_timeout_s
             if silent is not None:
                 model, seconds = silent
                 self.state.fail(
                     f"Instance '{model}' engine server did not answer for {seconds:.0f} s "
-                    f"(limits.engine_health_timeout_s = {self.deployment.limits.engine_health_timeout_s:g})",
+                    f"(limits.engine_health_timeout_s = {bound:g})",
+                    "hung",
+                )
+            stalled = None if self.probe is None else self.steps.stalled(self._layer_calls(), self._at_engine(), bound)
+            if stalled is not None:
+                model, seconds, waiting = stalled
+                self.state.fail(
+                    f"Instance '{model}' made no layer call for {seconds:.0f} s with {waiting} request(s) at its "
+                    f"engine: its step stalled (limits.engine_health_timeout_s = {bound:g})",
                     "hung",
                 )
         if self.state.failure is not None:
             self.fence(self.state.failure)
         return self.state.failure
+
+    def _layer_calls(self) -> dict[str, int]:
+        """Per model, the calls its ranks published (each mailbox's sequence word)."""
+        calls = dict.fromkeys((m.id for m in self.plan.models), 0)
+        for mplan, mailbox in zip(self.plan.mailboxes, self.mailboxes, strict=True):
+            calls[mplan.model] += mailbox.words[W_REQ_SEQ]
+        return calls
+
+    def _at_engine(self) -> dict[str, int]:
+        """Per model, the requests the front waits on its engine for (as of the front's last heartbeat)."""
+        with self.state.lock:
+            front = self.state.registry.members.get(("front", "front", 0))
+            return dict(front.metrics.at_engine) if front is not None and front.metrics is not None else {}
 
     def supervise(self) -> str | None:
         """Block until a stop request (None) or the first failure (its reason)."""

@@ -46,3 +46,26 @@ class EngineProbe:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=PROBE_TIMEOUT_S + PROBE_INTERVAL_S)
+
+
+class StepWatch:
+    """A stalled step: an engine whose HTTP server answers and whose ranks still beat (a thread
+    each) can hold requests without computing (a stopped or deadlocked scheduler or EngineCore).
+    An Instance computing makes layer calls; one with requests at its engine and no new layer
+    call for the bound has stalled. The clock starts when requests are waiting and restarts with
+    every call, so an idle Instance never stalls."""
+
+    def __init__(self) -> None:
+        self.since: dict[str, tuple[int, float]] = {}  # model -> (layer calls seen, when they last moved)
+
+    def stalled(self, calls: dict[str, int], waiting: dict[str, int], bound_s: float) -> tuple[str, float, int] | None:
+        """The first model with requests waiting (`waiting`, from the front) whose layer-call count
+        (`calls`) has not moved for more than `bound_s`: (model, seconds, requests waiting)."""
+        now = time.monotonic()
+        for model, count in calls.items():
+            seen, moved = self.since.get(model, (None, now))
+            if count != seen or not waiting.get(model):
+                self.since[model] = (count, now)
+            elif now - moved > bound_s:
+                return model, now - moved, waiting[model]
+        return None

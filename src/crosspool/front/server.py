@@ -58,6 +58,7 @@ class Front:
         self.max_model_len = {m.id: m.max_model_len for m in plan.models}
         self.control = ControlClient(plan, secret, "front", "front")
         self.inflight = 0
+        self.at_engine = dict.fromkeys(self.upstreams, 0)
         self.requests: dict[str, dict[str, int]] = {}
         self.daemon = httpx.AsyncClient(base_url=plan.control_url, timeout=2.0)
         self.stopping: asyncio.Event | None = None  # set on SIGTERM: in-flight requests end now
@@ -84,7 +85,9 @@ class Front:
         return "the deployment is shutting down"
 
     def metrics(self) -> MemberMetrics:
-        return MemberMetrics(requests={m: dict(c) for m, c in self.requests.items()}, inflight=self.inflight)
+        return MemberMetrics(
+            requests={m: dict(c) for m, c in self.requests.items()}, inflight=self.inflight, at_engine=self.at_engine
+        )
 
     def count(self, model: str, status: int) -> None:
         classes = self.requests.setdefault(model if model in self.upstreams else "unknown", {})
@@ -175,23 +178,26 @@ def create_front(front: Front) -> FastAPI:
                 response = (
                     _error(400, too_long, "invalid_request_error")
                     if too_long
-                    else front.refusal() or await _served(body, front.upstreams[model] + path)
+                    else front.refusal() or await _served(body, model, path)
                 )
         finally:
             front.inflight -= 1
         front.count(model, response.status_code)
         return response
 
-    async def _served(body: bytes, url: str) -> Response:
+    async def _served(body: bytes, model: str, path: str) -> Response:
+        front.at_engine[model] += 1
         try:
-            return await front.unless_stopping(_forward(body, url))
+            return await front.unless_stopping(_forward(body, model, front.upstreams[model] + path))
         except Stopping:
             return _error(503, f"CrossPool deployment failed: {front.stop_reason()}", "crosspool_failure")
+        finally:
+            front.at_engine[model] -= 1
 
     async def stream_error(upstream_error: str) -> bytes:
         return _sse_error(await front.failure_message(upstream_error))
 
-    async def _forward(body: bytes, url: str) -> Response:
+    async def _forward(body: bytes, model: str, url: str) -> Response:
         upstream = client.build_request("POST", url, content=body, headers={"content-type": "application/json"})
         try:
             resp = await client.send(upstream, stream=True)
@@ -210,6 +216,7 @@ def create_front(front: Front) -> FastAPI:
             # Line by line: vLLM reports an engine death inside a stream as an error event whose
             # text cannot name the cause ("EngineCore encountered an issue"); the front replaces it.
             front.inflight += 1
+            front.at_engine[model] += 1
             lines = resp.aiter_lines()
             try:
                 while True:
@@ -227,6 +234,7 @@ def create_front(front: Front) -> FastAPI:
                 yield _sse_error(f"CrossPool deployment failed: {front.stop_reason()}")
             finally:
                 front.inflight -= 1
+                front.at_engine[model] -= 1
                 await resp.aclose()
 
         return StreamingResponse(events(), status_code=resp.status_code, media_type="text/event-stream")
