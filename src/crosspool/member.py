@@ -64,6 +64,8 @@ class ControlClient:
         )
         self.phase = "starting"
         self.failure: str | None = None
+        self.on_failure: Callable[[str], None] | None = None
+        """Called once, from the thread that learnt it, when the daemon first answers with a failure."""
         self._stop = threading.Event()
 
     def _post(self, path: str, body: dict) -> dict:
@@ -75,7 +77,10 @@ class ControlClient:
             detail = r.json().get("detail") if r.headers.get("content-type") == "application/json" else r.text
             raise DaemonRefused(f"CrossPool daemon refused {path}: HTTP {r.status_code}: {detail}")
         answer: dict = r.json()
+        first = self.failure is None and answer["failure"] is not None
         self.phase, self.failure = answer["phase"], answer["failure"]
+        if first and self.on_failure is not None:
+            self.on_failure(answer["failure"])
         return answer
 
     def register(self) -> None:

@@ -61,8 +61,13 @@ class Front:
         self.at_engine = dict.fromkeys(self.upstreams, 0)
         self.requests: dict[str, dict[str, int]] = {}
         self.daemon = httpx.AsyncClient(base_url=plan.control_url, timeout=2.0)
-        self.stopping: asyncio.Event | None = None  # set on SIGTERM: in-flight requests end now
+        self.stopping: asyncio.Event | None = None  # set on SIGTERM or a failure: in-flight requests end now
         self.loop: asyncio.AbstractEventLoop
+
+    def end_in_flight(self) -> None:
+        """From any thread: every request in flight answers 503 now (`unless_stopping`)."""
+        if self.stopping is not None:
+            self.loop.call_soon_threadsafe(self.stopping.set)
 
     async def unless_stopping(self, aw: Awaitable[T]) -> T:
         """Await `aw`, unless the front is told to stop first (then raise Stopping). An engine
@@ -250,6 +255,9 @@ def create_front(front: Front) -> FastAPI:
     @app.on_event("startup")
     async def join() -> None:
         front.stopping, front.loop = asyncio.Event(), asyncio.get_running_loop()
+        # After a failure every mailbox is fenced: no request in flight can finish, and one held by
+        # a hung engine would wait out the drain and the engine's stop. It ends now, named.
+        front.control.on_failure = lambda _: front.end_in_flight()
         # uvicorn runs startup before it listens; registering from a thread a moment later would
         # race the port. The daemon also checks the port itself before it reports ready.
         front.control.register()
@@ -271,8 +279,7 @@ class FrontServer(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # Runs in the event loop's thread; requests in flight answer 503 right away.
-        if self.front.stopping is not None:
-            self.front.loop.call_soon_threadsafe(self.front.stopping.set)
+        self.front.end_in_flight()
         super().handle_exit(sig, frame)
 
 
