@@ -18,6 +18,7 @@ BENCHES = {
     "elastic-kv": ("crosspool.bench.elastic_kv", "two models, out-of-phase bursts: fixed KV split vs elastic KV"),
     "cuda": ("crosspool.bench.cuda", "CUDA data plane on one GPU: round trip, executor, decode step in/out of process"),
     "kv-transfer": ("crosspool.bench.kv_transfer", "an idle donor's KV capacity moved to a burst: seconds, RSS"),
+    "soak": ("crosspool.bench.soak", "a deployment under steady load for a long time: lost requests, RSS growth"),
 }
 
 

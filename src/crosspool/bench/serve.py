@@ -160,7 +160,7 @@ async def _one(client: httpx.AsyncClient, url: str, a: Arrival, start: float) ->
     return out
 
 
-async def _load(url: str, arrivals: list[Arrival], progress: tqdm) -> list[Outcome]:
+async def send_all(url: str, arrivals: list[Arrival], progress: tqdm) -> list[Outcome]:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S, limits=limits) as client:
         start = time.perf_counter()
@@ -310,7 +310,7 @@ def run(
                 for m in models:  # warm-up, not measured
                     warm = [Arrival(0.0, m, a.prompt, a.output_len) for a in arrivals if a.model == m][:warmup]
                     for a in warm:
-                        asyncio.run(_load(urls[m], [a], tqdm(disable=True)))
+                        asyncio.run(send_all(urls[m], [a], tqdm(disable=True)))
                 workers: dict[str, list[int]] = {}
                 control = pooled.metrics_url if name == "crosspool" else None
                 if name == "crosspool":
@@ -334,7 +334,7 @@ async def _gather_sides(urls: dict[str, str], arrivals: list[Arrival], progress:
     by_url: dict[str, list[Arrival]] = {}
     for a in arrivals:
         by_url.setdefault(urls[a.model], []).append(a)
-    parts = await asyncio.gather(*(_load(url, mine, progress) for url, mine in by_url.items()))
+    parts = await asyncio.gather(*(send_all(url, mine, progress) for url, mine in by_url.items()))
     return [o for part in parts for o in part]
 
 
