@@ -62,7 +62,7 @@ class RssSampler:
 
 
 def rss_growth(samples: list[dict], warmup_s: float) -> dict[str, dict[str, float]]:
-    """Per role: MiB at the first sample after the warm-up and at the last, and the growth in %."""
+    """Per role: MiB at the first sample from `warmup_s` on and at the last, and the growth in %."""
     after = [s for s in samples if s["t"] >= warmup_s] or samples[-1:]
     first, last = after[0]["rss"], after[-1]["rss"]
     out = {}
@@ -119,6 +119,10 @@ def main(argv: list[str] | None = None) -> int:
         "rate_rps": args.rate,
         "ttft_p50_s": round(statistics.median(ttft), 3) if ttft else None,
         "rss_growth_pct": {role: g["growth_pct"] for role, g in growth.items()},
+        # Caches that fill once per new batch shape level off: the last third says whether growth goes on.
+        "rss_growth_last_third_pct": {
+            role: g["growth_pct"] for role, g in rss_growth(samples, 2 * samples[-1]["t"] / 3).items()
+        },
     }
     report = {
         "bench": "soak",
