@@ -29,9 +29,10 @@ import pytest
 
 from conftest import LiveDeployment, assert_nothing_left, frozen, leftover_files, project_processes
 from crosspool import host
+from crosspool.integrations.sglang.cp import CP_SPLIT
 from crosspool.integrations.sglang.launch import host_problems
 from crosspool.kv.backing import rss_bytes
-from crosspool.qualify.serving import CP_SPLIT, prompts
+from crosspool.qualify.serving import prompts
 
 pytestmark = pytest.mark.engine
 

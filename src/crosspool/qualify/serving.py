@@ -42,6 +42,7 @@ from crosspool import envs
 from crosspool.config import parse_deployment
 from crosspool.daemon.daemon import running_pool
 from crosspool.integrations.offline import generate_in_child, side_by_side
+from crosspool.integrations.sglang.cp import CP_SPLIT
 from crosspool.ipc import bind_port
 from crosspool.qualify.ffn import MAX_NRMSE, MAX_SCALED, STRUCTURAL_CALLS, errors
 from crosspool.resolve import resolve
@@ -264,8 +265,6 @@ CP_MODEL = (
 """The CP model as examples/context-parallel.toml serves it. float32: in bf16 CP changes the row
 counts of the attention projections' GEMMs (each rank projects its own tokens), whose rounding
 depends on the row count, and greedy tokens of the random model drift from CP 1's."""
-CP_SPLIT = "zigzag prefill CP through"
-"""What each CP rank logs at its first split batch (integrations/sglang/cp.py)."""
 
 
 def context_parallel_row(path: Path, work: list[list[int]]) -> dict[str, Any]:
@@ -301,8 +300,12 @@ def context_parallel_row(path: Path, work: list[list[int]]) -> dict[str, Any]:
     }
 
 
+def _with_cp_row(lanes_options: tuple[int, ...], modes: tuple[str, ...]) -> bool:
+    return 1 in lanes_options and "eager" in modes
+
+
 def planned_cases(lanes_options: tuple[int, ...], modes: tuple[str, ...]) -> list[str]:
-    cp = [CP_CASE] if 1 in lanes_options and "eager" in modes else []
+    cp = [CP_CASE] if _with_cp_row(lanes_options, modes) else []
     return [f"serving/{row.name}" for row in MATRIX if row.lanes in lanes_options and row.mode in modes] + cp
 
 
@@ -323,7 +326,7 @@ def qualify_serving(
                 if row.attention_tp == 1:
                     single[row.ffn_tp, lanes, mode] = got
             yield from data_parallel_rows(path, work, single, lanes, mode)
-    if 1 in lanes_options and "eager" in modes:
+    if _with_cp_row(lanes_options, modes):
         yield context_parallel_row(path, work)
 
 

@@ -12,6 +12,9 @@ import torch
 
 from crosspool.transport.mailbox import RowShare
 
+CP_SPLIT = "zigzag prefill CP through CrossPool's torch_native attention"
+"""What each CP rank logs at its first split batch: the evidence that SGLang split one."""
+
 
 def prefill_cp_shares(strategy: str, cp_size: int, extend_lens: list[int]) -> list[RowShare] | None:
     """Per CP rank, its rows of a batch of prefills `extend_lens` long (local order, each row sent
@@ -68,10 +71,8 @@ def install_torch_native_prefill_cp() -> None:
         assert strategy is not None and strategy.kind == ContextParallelStrategyKind.ZIGZAG, strategy
         if not announced:
             announced.append(True)  # once per rank: the evidence that a batch was split
-            sys.stderr.write(  # one write: the ranks share the engine's output pipe
-                f"crosspool: CP rank {strategy.cp_rank} of {strategy.cp_size}: zigzag prefill CP through "
-                "CrossPool's torch_native attention\n"
-            )
+            # one write: the ranks share the engine's output pipe
+            sys.stderr.write(f"crosspool: CP rank {strategy.cp_rank} of {strategy.cp_size}: {CP_SPLIT}\n")
             sys.stderr.flush()
         assert not layer.is_cross_attention and save_kv_cache and k is not None and v is not None
         strategy.materialize_full_kv(forward_batch, layer, k, v)
