@@ -14,6 +14,8 @@ import sys
 
 import pytest
 
+from crosspool.integrations.sglang.launch import host_problems
+
 pytestmark = pytest.mark.engine
 ARGS = ["--all", "--serving", "--mode", "eager", "--lanes", "1"]
 
@@ -34,9 +36,11 @@ def test_qualify_all_passes(tiny_models, smollm2, no_leftovers, tmp_path):
     assert "moe-routing/vllm/tiny-qwen3_moe/layer1/rows4096" in planned
     assert not any("/sglang/tiny-qwen3_moe/" in case for case in planned)  # SGLang serves no MoE family
     rows = [v for v in verdicts if v["case"].startswith("serving/")]
-    assert len(rows) == 7 and all(v["layer_calls"] >= 1000 for v in rows)
-    (cp,) = [v for v in rows if "/attn-cp2-zigzag/" in v["case"]]  # SGLang prefill CP 2 vs native CP 1
-    assert cp["identical_prefix"] == [72] * 8 and cp["cp_ranks_that_split"] == 2
+    sglang_served = not host_problems()  # an AMX host with a real sgl_kernel: no SGLang, no CP row
+    assert len(rows) == 6 + sglang_served and all(v["layer_calls"] >= 1000 for v in rows)
+    cps = [v for v in rows if "/attn-cp2-zigzag/" in v["case"]]  # SGLang prefill CP 2 vs native CP 1
+    assert len(cps) == sglang_served
+    assert all(cp["identical_prefix"] == [72] * 8 and cp["cp_ranks_that_split"] == 2 for cp in cps)
     identical = [v for v in rows if v["case"].startswith("serving/attn-tp2-dp1/ffn-tp2/")]
     assert len(identical) == 1 and identical[0]["identical_prefix"] == [72] * 8  # native TP 2
     two_models = [v for v in rows if "concurrent_models" in v]  # the DP rows: two models on one pool

@@ -41,6 +41,7 @@ import torch
 from crosspool import envs
 from crosspool.config import parse_deployment
 from crosspool.daemon.daemon import running_pool
+from crosspool.integrations import launcher
 from crosspool.integrations.offline import generate_in_child, side_by_side
 from crosspool.integrations.sglang.cp import CP_SPLIT
 from crosspool.ipc import bind_port
@@ -301,7 +302,8 @@ def context_parallel_row(path: Path, work: list[list[int]]) -> dict[str, Any]:
 
 
 def _with_cp_row(lanes_options: tuple[int, ...], modes: tuple[str, ...]) -> bool:
-    return 1 in lanes_options and "eager" in modes
+    """Eager, lanes 1, and where CrossPool serves SGLang (not on an AMX host with a real sgl_kernel)."""
+    return 1 in lanes_options and "eager" in modes and not launcher("sglang").host_problems()
 
 
 def planned_cases(lanes_options: tuple[int, ...], modes: tuple[str, ...]) -> list[str]:
