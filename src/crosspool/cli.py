@@ -67,10 +67,13 @@ def cmd_status(args: argparse.Namespace) -> int:
             m["name"], "yes" if m["registered"] else "no", str(m["pid"] or "-"), str(m["heartbeat_age_s"] or "-")
         )
     console.print(members)
-    models = Table("model", "state", "engine", "FFN agents", "engine URL")
+    models = Table("model", "state", "Instance restarts", "engine", "FFN agents", "engine URL")
     for name, m in status["models"].items():
-        models.add_row(name, m["state"], m["engine"], ", ".join(m["ffn_agents"]), m["url"])
+        models.add_row(name, m["state"], str(m["restarts"]), m["engine"], ", ".join(m["ffn_agents"]), m["url"])
     console.print(models)
+    for name, m in status["models"].items():
+        if m["failure"]:
+            console.print(f"[yellow]{name} restarting after:[/] {m['failure']}")
     return 0
 
 

@@ -163,8 +163,9 @@ class Deployment(_Strict):
     control_port: int | None = Field(None, ge=1024, le=65535)
     """The daemon's control API (loopback); default: port + 1."""
     restart: bool = False
-    """After a failure, start a new generation instead of stopping (at most max_restarts times
-    within restart_window_s, each after a backoff)."""
+    """After a failure, restart what failed instead of stopping: an Instance alone (its engine or
+    ranks, or the Instances with layers on a failed FfnAgent), else a new generation; at most
+    max_restarts times within restart_window_s, each after a backoff."""
     max_restarts: int = Field(3, ge=0, le=100)
     restart_window_s: float = Field(600.0, gt=0)
     """max_restarts counts the restarts of the last restart_window_s seconds: a deployment that

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+from pydantic import BaseModel
 
 from crosspool.metrics import MemberMetrics
 from crosspool.plan import Plan
@@ -43,6 +44,15 @@ def load_membership(plan_path: Path) -> tuple[Plan, str]:
     return plan, plan_path.with_name(SECRET_FILE).read_text()
 
 
+class InstanceDown(BaseModel):
+    """An Instance that failed alone and is restarting (the daemon's answers carry them): the
+    front answers its model with 503 and Retry-After."""
+
+    reason: str
+    retry_after_s: int
+    """When the Instance is expected back: the restart's backoff and the Instance's last start time."""
+
+
 class ControlError(RuntimeError):
     """The daemon could not be asked, or said no."""
 
@@ -66,6 +76,10 @@ class ControlClient:
         self.failure: str | None = None
         self.on_failure: Callable[[str], None] | None = None
         """Called once, from the thread that learnt it, when the daemon first answers with a failure."""
+        self.down: dict[str, InstanceDown] = {}
+        """Models whose Instance is restarting alone, as of the daemon's last answer."""
+        self.on_down: Callable[[list[str]], None] | None = None
+        """Called, from the thread that learnt it, with the models that newly went down."""
         self._stop = threading.Event()
 
     def _post(self, path: str, body: dict) -> dict:
@@ -79,8 +93,13 @@ class ControlClient:
         answer: dict = r.json()
         first = self.failure is None and answer["failure"] is not None
         self.phase, self.failure = answer["phase"], answer["failure"]
+        down = {model: InstanceDown.model_validate(d) for model, d in answer.get("down", {}).items()}
+        went_down = [model for model in down if model not in self.down]
+        self.down = down
         if first and self.on_failure is not None:
             self.on_failure(answer["failure"])
+        if went_down and self.on_down is not None:
+            self.on_down(went_down)
         return answer
 
     def register(self) -> None:

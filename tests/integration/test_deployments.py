@@ -7,8 +7,10 @@ real agents, real HTTP; only the ports and the cache root are this test's):
 * examples/mixed-engines.toml, SmolLM2 through vLLM and through SGLang on one FFN pool,
   `restart = true`: both answer the demo question and serve concurrently token-identical to their
   native engines; each kind of member killed under load (an FfnAgent, the vLLM rank, the SGLang
-  scheduler) ends every in-flight request within 10 s, correctly or with a 503 naming it, and the
-  next generation serves the same tokens; the daemon's own death ends everything.
+  scheduler) ends every in-flight request within 10 s, correctly or with a 503 naming it, the
+  Instances it takes down restart alone (503 with Retry-After meanwhile) while the other model
+  answers every request, and they serve the same tokens again; the daemon's own death ends
+  everything.
 """
 
 from __future__ import annotations
@@ -75,7 +77,7 @@ def demo(smollm2, tmp_path_factory):
 @pytest.fixture(scope="module")
 def mixed(smollm2, tmp_path_factory):
     skip_unless_sglang_path()
-    yield from _live("mixed-engines", tmp_path_factory, restarts=4)  # three killed members, one stopped server
+    yield from _live("mixed-engines", tmp_path_factory, restarts=6)  # killed members, a stopped server
 
 
 def _chat(url: str, model: str) -> dict:
@@ -306,59 +308,94 @@ class Load:
             assert not t.is_alive(), f"a request was still open {KILL_BOUND_S:g} s after the kill"
 
 
-def _ready_generation(d, at_least: int, timeout: float = 400) -> int:
+def _restarts(d) -> dict[str, int]:
+    return {m: s["restarts"] for m, s in d.status()["models"].items()}
+
+
+def _serving_again(d, before: dict[str, int], models: list[str], timeout: float = 400) -> None:
+    """The `models` restarted alone (each once more than `before`) and the deployment is ready."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         assert d.proc.poll() is None, "".join(d.stderr[-40:])
-        try:
-            r = httpx.get(d.control + "/ready", timeout=2).json()
-            if r["ready"] and r["generation"] >= at_least:
-                return int(r["generation"])
-        except httpx.HTTPError:
-            pass
+        with contextlib.suppress(httpx.HTTPError):
+            status = d.status()
+            restarted = all(status["models"][m]["restarts"] > before[m] for m in models)
+            if restarted and httpx.get(d.control + "/ready", timeout=2).json()["ready"]:
+                restarted_alone = status["generation"] == 1 and status["phase"] == "ready"  # nothing else restarted
+                assert restarted_alone, "".join(line for line in d.stderr if line.startswith("crosspool:"))
+                return
         time.sleep(1)
-    raise AssertionError(f"no generation >= {at_least} became ready: " + "".join(d.stderr[-40:]))
+    raise AssertionError(f"{models} did not serve again: " + "".join(d.stderr[-40:]))
+
+
+def _affected(d, victim: str) -> list[str]:
+    """The models a member's failure takes down: its Instance's, or those with layers on an FfnAgent."""
+    if victim.startswith("FfnAgent"):
+        agent = victim.split("'")[1]
+        return [m for m, s in d.status()["models"].items() if agent in s["ffn_agents"]]
+    return [victim.split("'")[1]]
+
+
+def _restarting_answer(d, model: str) -> httpx.Response:
+    """What a request for `model` gets once its Instance restarts (before it serves again)."""
+    end = time.monotonic() + 15
+    while d.status()["models"][model]["state"] != "restarting":
+        assert time.monotonic() < end, "the failed Instance was never reported restarting"
+        time.sleep(0.1)
+    return httpx.post(d.url + "/v1/completions", json={"model": model, "prompt": WORK[0], "max_tokens": 1})
 
 
 @pytest.mark.parametrize(
-    ("victim", "named"),
+    "victim",
     [
-        ("FfnAgent 'ffn0'", "FfnAgent 'ffn0'"),
-        (f"Instance '{VLLM}' rank 0", f"Instance '{VLLM}'"),  # its Worker process
-        (f"Instance '{SGLANG}' rank 0", f"Instance '{SGLANG}'"),  # its scheduler process
+        "FfnAgent 'ffn0'",
+        f"Instance '{VLLM}' rank 0",  # its Worker process
+        f"Instance '{SGLANG}' rank 0",  # its scheduler process
     ],
 )
-def test_killed_member_fails_requests_then_next_generation_serves(mixed, native, victim, named):
+def test_killed_member_fails_only_its_models_which_restart_alone(mixed, native, victim):
+    """Every request in flight ends within 10 s; those of the models the member serves are
+    answered correctly or with 503 naming it, and while their Instances restart with 503 and
+    Retry-After; the other model's requests all answer 200, token-identical; the failed models
+    serve the same tokens again, in the same generation."""
     d = mixed.get()
-    generation = _ready_generation(d, 1)
+    _serving_again(d, dict.fromkeys(MIXED, -1), [])
+    affected = _affected(d, victim)
+    named = victim if victim.startswith("FfnAgent") else f"Instance '{affected[0]}'"
+    before = _restarts(d)
     load = Load(d.url)
     time.sleep(4)  # requests in flight on both models
     killed_at = time.monotonic()
     os.kill(d.pid_of(victim), signal.SIGKILL)
     load.join_within(killed_at)
+    refused = _restarting_answer(d, affected[0])
+    assert refused.status_code == 503 and int(refused.headers["retry-after"]) >= 1, refused.text
+    assert named in refused.json()["error"]["message"], refused.text
     errors = [r for r in load.results if r[2] != 200]
     assert errors, "killing a member failed no request"
     for model, prompt, status, got, _ in load.results:
         if status == 200:
             assert got == native[model][prompt], f"{model} answered without the FFN pool's arithmetic"
         else:
-            assert status == 503 and "CrossPool deployment failed" in str(got), (status, got)
+            assert model in affected, f"{model} does not depend on {victim}, yet: {status} {got}"
+            assert status == 503 and f"CrossPool Instance '{model}' failed" in str(got), (status, got)
     assert any(named in str(r[3]) for r in errors), [str(r[3])[:300] for r in errors]
-    _ready_generation(d, generation + 1)
+    _serving_again(d, before, affected)
     for model in MIXED:
         assert _complete(d.url, model, WORK[0]) == (200, native[model][0])
 
 
-def test_a_stopped_engine_server_fails_the_generation_within_its_bound(mixed, native):
+def test_a_stopped_engine_server_restarts_its_instance_within_its_bound(mixed, native):
     """SIGSTOP on the vLLM Instance's API server: the process exists but answers nothing. The
     daemon's liveness probe names it within limits.engine_health_timeout_s (default 10 s); the
-    request it holds ends with 503 naming it; the next generation serves."""
+    request it holds ends with 503 naming it; that Instance alone restarts and serves."""
     from concurrent.futures import ThreadPoolExecutor
 
     from crosspool.bench.procs import role_of
 
     d = mixed.get()
-    generation = _ready_generation(d, 1)
+    _serving_again(d, dict.fromkeys(MIXED, -1), [])
+    before = _restarts(d)
     server = d.pid_of(f"Instance '{VLLM}' rank 0")
     while role_of(server) != "API server":
         server = int(Path(f"/proc/{server}/stat").read_text().rsplit(")", 1)[1].split()[1])
@@ -367,22 +404,23 @@ def test_a_stopped_engine_server_fails_the_generation_within_its_bound(mixed, na
     try:
         with ThreadPoolExecutor(1) as pool:
             held = pool.submit(_complete, d.url, VLLM, WORK[0], timeout=60)
-            while (failure := d.status()["failure"]) is None:
+            while (failure := d.status()["models"][VLLM]["failure"]) is None:
                 assert time.monotonic() - stopped_at < 10 + 3, "the stopped engine server was not noticed"
                 time.sleep(0.2)
             assert f"Instance '{VLLM}' engine server did not answer for" in failure, failure
             status, got = held.result(timeout=5)  # the front ends it when it learns the failure
             assert status == 503 and "engine server did not answer for" in str(got), (status, got)
+            assert _complete(d.url, SGLANG, WORK[0]) == (200, native[SGLANG][0])  # the other model serves
     finally:
-        with contextlib.suppress(ProcessLookupError):  # the stop kills it
+        with contextlib.suppress(ProcessLookupError):  # the restart kills it
             os.kill(server, signal.SIGCONT)
-    _ready_generation(d, generation + 1)
+    _serving_again(d, before, [VLLM])
     assert _complete(d.url, VLLM, WORK[0]) == (200, native[VLLM][0])
 
 
 def test_killed_daemon_ends_everything(mixed, native):
     d = mixed.get()
-    _ready_generation(d, 1)
+    _serving_again(d, dict.fromkeys(MIXED, -1), [])
     load = Load(d.url)
     time.sleep(4)
     killed_at = time.monotonic()

@@ -15,7 +15,7 @@ from conftest import assert_nothing_left, frozen, leftover_files
 from crosspool.agents.ffn.weights import load_layers
 from crosspool.config import parse_deployment
 from crosspool.daemon.daemon import running_pool
-from crosspool.daemon.generation import Generation
+from crosspool.daemon.generation import Generation, Scope
 from crosspool.integrations import kernels
 from crosspool.models.spec import load_ffn_spec
 from crosspool.resolve import resolve
@@ -259,6 +259,50 @@ def test_stopped_ffn_agent_times_out_and_a_fence_fails_a_waiting_call(lone):
         gen.fence("test failure")
         t.join(timeout=1)
         assert not t.is_alive() and [str(e) for e in errors] == ["FFN pool failed: test failure during layer 1 of q"]
+
+
+def test_a_fenced_mailbox_goes_to_the_next_rank_once_the_pool_answered_its_last_call(lone, reference):
+    """An Instance restarting alone: its rank's call is published and waiting when the mailbox is
+    fenced (the agent is stopped, so the call is not claimed yet). The mailbox is not handed on
+    until the agent claimed that call and answered it without computing; then the next rank's
+    calls continue the sequence and get the FFN's result."""
+    gen, rank = lone
+    index, mailbox = gen.plan.mailboxes[0].index, gen.mailboxes[0]
+    scope = Scope(("q",))
+    x = _rows(4)
+    out = torch.empty_like(x)
+    rank.call(0, x, out)
+    inbox = gen.inbox("ffn0")
+    executed = inbox.agent_stats(index).executed
+    errors: list[Exception] = []
+
+    def call() -> None:
+        try:
+            rank.call(1, x, torch.empty_like(x))
+        except FfnFenced as e:
+            errors.append(e)
+
+    with frozen(_member(gen, "FfnAgent 'ffn0'")):
+        t = threading.Thread(target=call)
+        t.start()
+        while mailbox.words[W_REQ_SEQ] != rank.seq or rank.seq < 2:
+            time.sleep(0.01)
+        mailbox.fence("Instance 'q' rank 0 exited")
+        t.join(timeout=1)
+        assert not t.is_alive() and len(errors) == 1
+        time.sleep(0.2)
+        assert not gen.mailbox_answered(index, mailbox, scope)  # the stopped agent has not seen the call
+    end = time.monotonic() + 5
+    while not gen.mailbox_answered(index, mailbox, scope):
+        assert time.monotonic() < end, "the agent never answered the fenced call"
+        time.sleep(0.05)
+    assert mailbox.words[resp_word(0)] == rank.seq and inbox.agent_stats(index).executed == executed  # not computed
+    mailbox.reset()
+    successor = RankTransport(gen.plan.rank_layout("q", 0))
+    for layer in (0, 1):
+        successor.call(layer, x, out)
+        assert torch.equal(out, reference[layer](x))
+    assert successor.seq == rank.seq + 2
 
 
 def test_dead_atn_agent_fences_the_transport(lone):

@@ -160,7 +160,7 @@ def test_sglang_command_and_refusals(tiny_models):
 
 
 def test_restart_decision(tiny_models):
-    from crosspool.daemon.daemon import no_restart, restart_backoff_s
+    from crosspool.daemon.restarts import no_restart, restart_backoff_s
 
     d = parse_deployment(_toml(tiny_models["qwen3"], extra="restart = true\nmax_restarts = 2"))
     assert no_restart(d, 2, "exit", 1, False) is None

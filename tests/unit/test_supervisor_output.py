@@ -24,6 +24,7 @@ def test_a_member_outruns_a_sink_nobody_reads():
             "chatty",
             [sys.executable, "-c", CHATTY.format(n=lines)],
             dict(os.environ),
+            member=("front", "front"),
             stop_order=0,
             cpus=host_cpus()[:1],
             sink=sink,

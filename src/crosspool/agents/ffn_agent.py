@@ -85,6 +85,9 @@ class FfnAgent:
             self.channel.reply(index, seq, 0, STATUS_OK, 0)
             return
         shard = served.shard_of[layer]
+        if rows == 0:  # a call claimed after its mailbox was fenced: answered, not computed
+            mb.reply(seq, STATUS_ERROR, f"FfnAgent {self.proc.id!r}: {mb.fence_reason()}", shard)
+            return
         try:
             if not 0 < rows <= mb.max_rows:
                 raise ProtocolError(f"{rows} rows published; the mailbox holds {mb.max_rows}")

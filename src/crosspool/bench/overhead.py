@@ -36,7 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
@@ -159,6 +159,7 @@ def native_server(
             name,
             engine.server_command(model, MAX_BATCHED, HOST, port),
             {k: v for k, v in {**engine.engine_env(model, None, rank_cpus), **(env or {})}.items() if v is not None},
+            member=("Instance", model.id),
             stop_order=0,
             cpus=host_cpus(),
             sink=log,
@@ -166,6 +167,16 @@ def native_server(
         yield Side(name, f"http://{HOST}:{port}", child.proc.pid)
     finally:
         sup.stop_all(30.0)
+
+
+def set_top_level(text: str, values: Mapping[str, object]) -> str:
+    """A deployment file's text with these top-level keys set (e.g. free ports for a benchmark)."""
+    lines, kept, in_table = text.splitlines(), [], False
+    for line in lines:
+        in_table = in_table or line.lstrip().startswith("[")
+        if in_table or line.split("=")[0].strip() not in values:
+            kept.append(line)
+    return "\n".join([f"{key} = {json.dumps(value)}" for key, value in values.items()] + kept) + "\n"
 
 
 @contextlib.contextmanager

@@ -3,6 +3,7 @@ status and Prometheus metrics. Members talk to it; it is never on the per-layer 
 
 from __future__ import annotations
 
+import math
 import secrets
 import threading
 import time
@@ -18,7 +19,7 @@ from crosspool.bodylimit import BodyLimit
 from crosspool.daemon.kv import KvPools, KvPoolStatus
 from crosspool.daemon.registry import FailureReport, Heartbeat, Refused, Registration, Registry, slot_name
 from crosspool.daemon.supervisor import log
-from crosspool.member import new_secret
+from crosspool.member import InstanceDown, new_secret
 from crosspool.metrics import DeploymentMetrics
 from crosspool.plan import Plan
 
@@ -36,10 +37,14 @@ class MemberStatus(BaseModel):
 
 
 class ModelStatus(BaseModel):
-    state: Literal["starting", "serving", "failed", "stopped"]
+    state: Literal["starting", "serving", "restarting", "failed", "stopped"]
     engine: str
     url: str
     ffn_agents: list[str]
+    failure: str | None = None
+    """Why the Instance is restarting (state "restarting")."""
+    restarts: int = 0
+    """How often the Instance was restarted alone (not counting generation restarts)."""
 
 
 class Status(BaseModel):
@@ -59,6 +64,8 @@ class Accepted(BaseModel):
     phase: Phase
     failure: str | None
     heartbeat_interval_s: float
+    down: dict[str, InstanceDown] = {}
+    """Models whose Instance is restarting (the rest of the deployment serves)."""
 
 
 class ControlState:
@@ -74,6 +81,10 @@ class ControlState:
         self.failure_kind: str | None = None
         self.restarts = 0
         self.models_ready: set[str] = set()
+        self.down: dict[str, InstanceDown] = {}
+        self.reports: list[tuple[str, tuple[str, str, int]]] = []
+        """Failures members reported (reason, slot), for the generation's watch loop to act on."""
+        self.instance_restarts = dict.fromkeys((m.id for m in plan.models), 0)
         self.metrics = DeploymentMetrics([m.id for m in plan.models])
         self.metrics.generation = plan.generation
         self.changed = threading.Condition(self.lock)
@@ -91,7 +102,7 @@ class ControlState:
             self.registry = Registry(plan)
             self.secret = new_secret()
             self.phase, self.failure, self.failure_kind = "starting", None, None
-            self.models_ready = set()
+            self.models_ready, self.down, self.reports = set(), {}, []
             self.metrics.generation = plan.generation
             self.changed.notify_all()
 
@@ -111,12 +122,50 @@ class ControlState:
         log(f"failure: {reason}")
         return True
 
+    def fail_instances(
+        self, models: tuple[str, ...], agents: tuple[str, ...], reason: str, kind: str, retry_after_s: float
+    ) -> None:
+        """Instances that failed alone (with the FfnAgents to start again): their members leave the
+        registry, the front answers their models with 503 until `instance_serving`."""
+        with self.lock:
+            assert not any(m in self.down for m in models), (models, self.down)
+            down = InstanceDown(reason=reason, retry_after_s=max(1, math.ceil(retry_after_s)))
+            for model in models:
+                self.down[model] = down
+                self.models_ready.discard(model)
+            self._forget(models, agents)
+            self.metrics.failed(kind)
+            self.changed.notify_all()
+        log(f"failure: {reason}; restarting {', '.join(f'Instance {m!r}' for m in models)} alone")
+
+    def _forget(self, models: tuple[str, ...], agents: tuple[str, ...]) -> None:
+        self.registry.forget(
+            [slot for slot in self.registry.members if slot[0] == "rank" and slot[1] in models]
+            + [("FfnAgent", agent, 0) for agent in agents]
+        )
+
+    def forget(self, models: tuple[str, ...], agents: tuple[str, ...]) -> None:
+        """A restart that failed: its members register anew on the next try."""
+        with self.lock:
+            self._forget(models, agents)
+
+    def instance_serving(self, models: tuple[str, ...]) -> None:
+        with self.lock:
+            for model in models:
+                del self.down[model]
+                self.models_ready.add(model)
+                self.instance_restarts[model] += 1
+            self.changed.notify_all()
+
     def accepted(self) -> Accepted:
+        with self.lock:
+            down = dict(self.down)
         return Accepted(
             generation=self.plan.generation,
             phase=self.phase,
             failure=self.failure,
             heartbeat_interval_s=self.plan.heartbeat_interval_s,
+            down=down,
         )
 
     def status(self) -> Status:
@@ -140,12 +189,16 @@ class ControlState:
             state = {"starting": "starting", "ready": "serving", "failed": "failed", "stopping": "serving"}
             models = {
                 m.id: ModelStatus(
-                    state="serving"
+                    state="restarting"
+                    if m.id in self.down and self.phase == "ready"
+                    else "serving"
                     if m.id in self.models_ready and self.phase == "ready"
                     else state.get(self.phase, "stopped"),  # type: ignore[arg-type]
                     engine=m.engine,
                     url=m.url,
                     ffn_agents=m.agents(),
+                    failure=self.down[m.id].reason if m.id in self.down else None,
+                    restarts=self.instance_restarts[m.id],
                 )
                 for m in self.plan.models
             }
@@ -201,13 +254,16 @@ def create_control_app(state: ControlState) -> FastAPI:
         with state.lock:
             missing = state.registry.missing()
             engines = [m.id for m in state.plan.models if m.id not in state.models_ready]
+            restarting = [f"Instance '{m}' (restarting after: {down.reason})" for m, down in state.down.items()]
             body: dict[str, Any] = {
-                "ready": state.phase == "ready",
+                "ready": state.phase == "ready" and not restarting,
                 "phase": state.phase,
                 "generation": state.plan.generation,
             }
             if state.phase != "ready":
                 body["waiting_for"] = missing + [f"Instance '{m}' HTTP listener" for m in engines]
+            elif restarting:
+                body["waiting_for"] = restarting
                 if state.failure:
                     body["failure"] = state.failure
         return JSONResponse(body, status_code=200 if body["ready"] else 503)
@@ -252,12 +308,14 @@ def create_control_app(state: ControlState) -> FastAPI:
 
     @app.post("/v1/failures", responses=refusal, dependencies=[Depends(member)])  # type: ignore[arg-type]
     def failure(report: FailureReport) -> Accepted:
-        """A registered member reports a fatal error (e.g. a protocol error); the first failure wins."""
+        """A registered member reports a fatal error (e.g. a protocol error): the daemon's watch
+        loop fails what it takes down (its Instances, or the generation)."""
         with state.lock:
             member = state.registry.members.get(report.slot)
             if member is None or report.generation != state.plan.generation:
                 return _refused(f"{slot_name(*report.slot)} is not a registered member of the current generation")  # type: ignore[return-value]
-        state.fail(f"{member.name} reported: {report.reason}", "reported")
+            state.reports.append((f"{member.name} reported: {report.reason}", report.slot))
+            state.changed.notify_all()
         return state.accepted()
 
     return app

@@ -18,39 +18,17 @@ from dataclasses import replace
 
 import uvicorn
 
-from crosspool.config import Deployment
 from crosspool.cpus import pin_process
 from crosspool.daemon.control import ControlState, create_control_app
 from crosspool.daemon.generation import Generation, StartupError
+from crosspool.daemon.restarts import RestartBudget, no_restart
 from crosspool.daemon.supervisor import log
 from crosspool.ipc import EngineFiles, Stop, bind_port, shm_shortage
 from crosspool.plan import Plan
 from crosspool.resolve import Resolved
 from crosspool.transport.mailbox import mailbox_size
 
-MAX_BACKOFF_S = 60.0
 CONTROL_START_S = 10.0
-
-
-def no_restart(
-    d: Deployment, generation: int, failure_kind: str | None, recent_restarts: int, stopping: bool
-) -> str | None:
-    """Why a failed generation is not followed by the next one (the daemon exits 1), or None.
-    `recent_restarts`: the restarts within `restart_window_s`."""
-    if not d.restart:
-        return "restart = false"
-    if generation == 1 and failure_kind == "startup":
-        return "the first generation failed to start (a configuration problem, not a member failure)"
-    if stopping:
-        return "a stop was requested"
-    if recent_restarts >= d.max_restarts:
-        return f"max_restarts = {d.max_restarts} reached within restart_window_s = {d.restart_window_s:g}"
-    return None
-
-
-def restart_backoff_s(d: Deployment, recent_restarts: int) -> float:
-    """How long to wait before the next restart: doubling with each restart in the window."""
-    return float(min(MAX_BACKOFF_S, d.restart_backoff_s * 2**recent_restarts))
 
 
 class Daemon:
@@ -62,7 +40,7 @@ class Daemon:
         self.server: uvicorn.Server | None = None
         self.generation: Generation | None = None
         self.engine_files = EngineFiles.now()
-        self.restart_times: list[float] = []  # monotonic times of the restarts in the current window
+        self.restarts = RestartBudget(d)
 
     def start_control(self, *, front: bool = True) -> None:
         d = self.deployment
@@ -88,7 +66,7 @@ class Daemon:
         plan = self.state.plan if number == 1 else self.resolved.plan(number)
         if number > 1:
             self.state.new_generation(plan)
-        self.generation = Generation(self.deployment, plan, self.state, self.stop, self.engine_files)
+        self.generation = Generation(self.deployment, plan, self.state, self.stop, self.engine_files, self.restarts)
         return self.generation
 
     def run(self) -> int:
@@ -121,20 +99,17 @@ class Daemon:
                 return 0
             gen.drain(d.limits.shutdown_grace_s)
             gen.close()
-            state = self.state
-            now = time.monotonic()
-            self.restart_times = [t for t in self.restart_times if now - t < d.restart_window_s]
-            recent = len(self.restart_times)
-            refusal = no_restart(d, gen.plan.generation, state.failure_kind, recent, self.stop.is_set())
+            recent = self.restarts.recent()
+            refusal = no_restart(d, gen.plan.generation, self.state.failure_kind, recent, self.stop.is_set())
             if refusal is None:
-                backoff = restart_backoff_s(d, recent)
+                backoff = self.restarts.backoff_s()
                 log(f"restarting in {backoff:g} s ({recent} restart(s) in the last {d.restart_window_s:g} s)")
                 if self.stop.wait(backoff):
                     refusal = "a stop was requested"
             if refusal is not None:
                 log(f"not restarting: {refusal}")
                 return 1
-            self.restart_times.append(time.monotonic())
+            self.restarts.take()
             self.state.restarts += 1
             log(f"generation {gen.plan.generation} retired after: {reason}; restarting")
 

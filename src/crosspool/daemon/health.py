@@ -35,13 +35,18 @@ class EngineProbe:
                     if ok:
                         self.last_ok[model] = time.monotonic()
 
-    def silent(self, bound_s: float) -> tuple[str, float] | None:
-        """The first engine that has not answered its liveness URL for more than `bound_s`, and for how long."""
+    def silent(self, bound_s: float, skip: set[str]) -> tuple[str, float] | None:
+        """The first engine not in `skip` (restarting) that has not answered its liveness URL for
+        more than `bound_s`, and for how long."""
         now = time.monotonic()
         for model, seen in self.last_ok.items():
-            if now - seen > bound_s:
+            if model not in skip and now - seen > bound_s:
                 return model, now - seen
         return None
+
+    def restarted(self, model: str) -> None:
+        """The Instance serves again: its silence counts from now."""
+        self.last_ok[model] = time.monotonic()
 
     def close(self) -> None:
         self._stop.set()
@@ -60,8 +65,10 @@ class StepWatch:
 
     def stalled(self, calls: dict[str, int], waiting: dict[str, int], bound_s: float) -> tuple[str, float, int] | None:
         """The first model with requests waiting (`waiting`, from the front) whose layer-call count
-        (`calls`) has not moved for more than `bound_s`: (model, seconds, requests waiting)."""
+        (`calls`: the models watched) has not moved for more than `bound_s`: (model, seconds, requests waiting)."""
         now = time.monotonic()
+        for model in [m for m in self.since if m not in calls]:  # restarting: its clock starts anew
+            del self.since[model]
         for model, count in calls.items():
             seen, moved = self.since.get(model, (None, now))
             if count != seen or not waiting.get(model):

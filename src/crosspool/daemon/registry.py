@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
@@ -57,6 +58,7 @@ class Death:
 
     kind: Literal["exit", "heartbeat"]
     reason: str
+    slot: tuple[str, str, int]
 
 
 class Refused(Exception):
@@ -143,22 +145,33 @@ class Registry:
         member.seq, member.last_seen, member.metrics = hb.seq, time.monotonic(), hb.metrics
         return member, previous
 
+    def forget(self, slots: list[tuple[str, str, int]]) -> None:
+        """Members that failed alone and will be started again: their slots can be registered anew."""
+        for slot in slots:
+            self.members.pop(slot, None)
+
     def missing(self) -> list[str]:
         return [slot_name(*s) for s in self.expected if s not in self.members]
 
-    def first_dead(self, heartbeat_timeout_s: float, serving: set[str]) -> Death | None:
+    def first_dead(
+        self, heartbeat_timeout_s: float, serving: set[str], skip: Callable[[tuple[str, str, int]], bool]
+    ) -> Death | None:
         """A registered member that exited or went silent. A rank's silence counts once its
         Instance serves (`serving`: model ids): while an engine starts, compiling ranks can hold
         the GIL past the timeout (seen with 4 vLLM DP workers compiling on 2 cores), and the
-        startup deadline bounds that phase."""
+        startup deadline bounds that phase. Members that `skip` names (restarting) are not looked at."""
         now = time.monotonic()
         for member in self.members.values():
+            if skip(member.slot):
+                continue
             if not member.peer.alive():
-                return Death("exit", f"{member.name} (pid {member.pid}) exited")
+                return Death("exit", f"{member.name} (pid {member.pid}) exited", member.slot)
             role, model, _ = member.slot
             if role == "rank" and model not in serving:
                 continue
             if now - member.last_seen > heartbeat_timeout_s:
                 silent = now - member.last_seen
-                return Death("heartbeat", f"{member.name} (pid {member.pid}) sent no heartbeat for {silent:.1f} s")
+                return Death(
+                    "heartbeat", f"{member.name} (pid {member.pid}) sent no heartbeat for {silent:.1f} s", member.slot
+                )
         return None

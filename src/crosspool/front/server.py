@@ -4,7 +4,9 @@ failed member (asked from the daemon).
 
 It is a member of its generation like any other: it registers once it listens, sends
 heartbeats (request counts, in-flight requests) and learns the generation's phase from the
-answers, so it refuses new requests as soon as the daemon fails or stops the generation.
+answers, so it refuses new requests as soon as the daemon fails or stops the generation. It
+outlives an Instance that fails alone: the answers name the models whose Instance restarts, and
+the front ends their requests in flight and answers them 503 with Retry-After until they are back.
 On SIGTERM (the daemon's ordered stop, or the daemon's death through PR_SET_PDEATHSIG) it stops
 accepting and answers every request still in flight with 503 at once: an engine that is being
 stopped may hold its requests open until its own grace ends.
@@ -47,8 +49,11 @@ def _sse_error(message: str) -> bytes:
     return f"data: {json.dumps({'error': {'message': message, 'code': 503}})}\n\n".encode()
 
 
-def _error(status: int, message: str, kind: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+def _error(status: int, message: str, kind: str, retry_after_s: int | None = None) -> JSONResponse:
+    headers = None if retry_after_s is None else {"Retry-After": str(retry_after_s)}
+    return JSONResponse(
+        {"error": {"message": message, "type": kind, "code": status}}, status_code=status, headers=headers
+    )
 
 
 class Front:
@@ -62,32 +67,48 @@ class Front:
         self.requests: dict[str, dict[str, int]] = {}
         self.daemon = httpx.AsyncClient(base_url=plan.control_url, timeout=2.0)
         self.stopping: asyncio.Event | None = None  # set on SIGTERM or a failure: in-flight requests end now
+        self.model_down: dict[str, asyncio.Event] = {}  # set when the model's Instance fails alone
         self.loop: asyncio.AbstractEventLoop
 
-    def end_in_flight(self) -> None:
-        """From any thread: every request in flight answers 503 now (`unless_stopping`)."""
-        if self.stopping is not None:
-            self.loop.call_soon_threadsafe(self.stopping.set)
+    def end_in_flight(self, models: list[str] | None = None) -> None:
+        """From any thread: every request in flight (of `models`; None: all) answers 503 now
+        (`unless_stopping`)."""
+        if self.stopping is None:
+            return
+        events = [self.stopping] if models is None else [self.model_down[m] for m in models]
+        for event in events:
+            self.loop.call_soon_threadsafe(event.set)
 
-    async def unless_stopping(self, aw: Awaitable[T]) -> T:
-        """Await `aw`, unless the front is told to stop first (then raise Stopping). An engine
-        being stopped may hold a request open until its own grace ends; ours must end at once."""
+    def down_event(self, model: str) -> asyncio.Event:
+        """The event that ends `model`'s requests in flight: a fresh one once its Instance is back."""
+        event = self.model_down[model]
+        if event.is_set() and model not in self.control.down:
+            event = self.model_down[model] = asyncio.Event()
+        return event
+
+    async def unless_stopping(self, aw: Awaitable[T], model: str) -> T:
+        """Await `aw`, unless the front is told to stop, or `model`'s Instance fails, first (then
+        raise Stopping). An engine being stopped may hold a request open until its own grace
+        ends; ours must end at once."""
         assert self.stopping is not None
         task = asyncio.ensure_future(aw)
-        stop = asyncio.ensure_future(self.stopping.wait())
-        done, _ = await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
-        if task in done:
+        stops = {asyncio.ensure_future(e.wait()) for e in (self.stopping, self.down_event(model))}
+        done, _ = await asyncio.wait({task, *stops}, return_when=asyncio.FIRST_COMPLETED)
+        for stop in stops:
             stop.cancel()
+        if task in done:
             return task.result()
         task.cancel()
         raise Stopping
 
-    def stop_reason(self) -> str:
+    def stop_reason(self, model: str) -> str:
         if self.control.failure is not None:
-            return self.control.failure
+            return f"CrossPool deployment failed: {self.control.failure}"
+        if model in self.control.down:
+            return f"CrossPool Instance '{model}' failed: {self.control.down[model].reason}"
         if supervisor_gone():
-            return f"the CrossPool daemon (pid {supervisor_pid()}) exited"
-        return "the deployment is shutting down"
+            return f"CrossPool deployment failed: the CrossPool daemon (pid {supervisor_pid()}) exited"
+        return "CrossPool deployment failed: the deployment is shutting down"
 
     def metrics(self) -> MemberMetrics:
         return MemberMetrics(
@@ -116,32 +137,49 @@ class Front:
             )
         return None
 
-    def refusal(self) -> JSONResponse | None:
+    def refusal(self, model: str | None = None) -> JSONResponse | None:
         if self.control.failure is not None:
             return _error(503, f"CrossPool deployment failed: {self.control.failure}", "crosspool_failure")
         if self.control.phase == "stopping":
             return _error(503, "CrossPool deployment is shutting down", "crosspool_shutdown")
+        down = self.control.down.get(model) if model is not None else None
+        if model is not None and down is not None:
+            message = f"CrossPool Instance '{model}' is restarting after a failure: {down.reason}"
+            return _error(503, message, "crosspool_restarting", self.retry_after_s(model))
         return None
 
-    async def named_failure(self) -> str:
-        """The deployment's failure as the daemon names it (it may take a moment to notice)."""
+    async def named_failure(self, model: str) -> str:
+        """The failure that took `model`'s requests, as the daemon names it (it may take a moment
+        to notice): the deployment's, or the model's Instance's."""
         loop = asyncio.get_running_loop()
         end = loop.time() + FAILURE_SETTLE_S
         while True:
             try:
-                failure = (await self.daemon.get("/status")).json()["failure"]
+                status = (await self.daemon.get("/status")).json()
+                failure, instance = status["failure"], status["models"][model]["failure"]
             except (httpx.HTTPError, ValueError, KeyError):
-                return f"CrossPool daemon at {self.plan.control_url} unreachable (the deployment is stopping)"
-            if failure is not None or loop.time() > end:
-                return failure or "no member failure reported"
+                return (
+                    f"CrossPool deployment failed: CrossPool daemon at {self.plan.control_url} unreachable "
+                    "(the deployment is stopping)"
+                )
+            if failure is not None:
+                return f"CrossPool deployment failed: {failure}"
+            if instance is not None:
+                return f"CrossPool Instance '{model}' failed: {instance}"
+            if loop.time() > end:
+                return "CrossPool deployment failed: no member failure reported"
             await asyncio.sleep(0.05)
 
-    async def failure_message(self, upstream_error: str) -> str:
-        reason = await self.named_failure()
-        return f"CrossPool deployment failed: {reason} (engine said: {upstream_error[:200]})"
+    async def failure_message(self, model: str, upstream_error: str) -> str:
+        return f"{await self.named_failure(model)} (engine said: {upstream_error[:200]})"
 
-    async def failed_response(self, upstream_error: str) -> JSONResponse:
-        return _error(503, await self.failure_message(upstream_error), "crosspool_failure")
+    async def failed_response(self, model: str, upstream_error: str) -> JSONResponse:
+        message = await self.failure_message(model, upstream_error)
+        return _error(503, message, "crosspool_failure", self.retry_after_s(model))  # learnt by now
+
+    def retry_after_s(self, model: str) -> int | None:
+        down = self.control.down.get(model)
+        return None if down is None else down.retry_after_s
 
 
 def create_front(front: Front) -> FastAPI:
@@ -183,7 +221,7 @@ def create_front(front: Front) -> FastAPI:
                 response = (
                     _error(400, too_long, "invalid_request_error")
                     if too_long
-                    else front.refusal() or await _served(body, model, path)
+                    else front.refusal(model) or await _served(body, model, path)
                 )
         finally:
             front.inflight -= 1
@@ -193,25 +231,25 @@ def create_front(front: Front) -> FastAPI:
     async def _served(body: bytes, model: str, path: str) -> Response:
         front.at_engine[model] += 1
         try:
-            return await front.unless_stopping(_forward(body, model, front.upstreams[model] + path))
+            return await front.unless_stopping(_forward(body, model, front.upstreams[model] + path), model)
         except Stopping:
-            return _error(503, f"CrossPool deployment failed: {front.stop_reason()}", "crosspool_failure")
+            return _error(503, front.stop_reason(model), "crosspool_failure", front.retry_after_s(model))
         finally:
             front.at_engine[model] -= 1
 
-    async def stream_error(upstream_error: str) -> bytes:
-        return _sse_error(await front.failure_message(upstream_error))
+    async def stream_error(model: str, upstream_error: str) -> bytes:
+        return _sse_error(await front.failure_message(model, upstream_error))
 
     async def _forward(body: bytes, model: str, url: str) -> Response:
         upstream = client.build_request("POST", url, content=body, headers={"content-type": "application/json"})
         try:
             resp = await client.send(upstream, stream=True)
         except httpx.HTTPError as e:
-            return await front.failed_response(f"{type(e).__name__}: {e}")
+            return await front.failed_response(model, f"{type(e).__name__}: {e}")
         if resp.status_code >= 500:
             text = (await resp.aread()).decode(errors="replace")
             await resp.aclose()
-            return await front.failed_response(f"HTTP {resp.status_code}: {text}")
+            return await front.failed_response(model, f"HTTP {resp.status_code}: {text}")
         if not resp.headers.get("content-type", "").startswith("text/event-stream"):
             content = await resp.aread()
             await resp.aclose()
@@ -226,17 +264,17 @@ def create_front(front: Front) -> FastAPI:
             try:
                 while True:
                     try:
-                        line = await front.unless_stopping(anext(lines))
+                        line = await front.unless_stopping(anext(lines), model)
                     except StopAsyncIteration:
                         return
                     if line.startswith('data: {"error"'):
-                        yield await stream_error(line[6:])
+                        yield await stream_error(model, line[6:])
                         return
                     yield (line + "\n").encode()
             except httpx.HTTPError as e:
-                yield await stream_error(f"stream broke: {e}")
+                yield await stream_error(model, f"stream broke: {e}")
             except Stopping:
-                yield _sse_error(f"CrossPool deployment failed: {front.stop_reason()}")
+                yield _sse_error(front.stop_reason(model))
             finally:
                 front.inflight -= 1
                 front.at_engine[model] -= 1
@@ -255,9 +293,11 @@ def create_front(front: Front) -> FastAPI:
     @app.on_event("startup")
     async def join() -> None:
         front.stopping, front.loop = asyncio.Event(), asyncio.get_running_loop()
-        # After a failure every mailbox is fenced: no request in flight can finish, and one held by
-        # a hung engine would wait out the drain and the engine's stop. It ends now, named.
+        front.model_down = {model: asyncio.Event() for model in front.upstreams}
+        # After a failure its mailboxes are fenced: no request in flight there can finish, and one
+        # held by a hung engine would wait out the drain and the engine's stop. It ends now, named.
         front.control.on_failure = lambda _: front.end_in_flight()
+        front.control.on_down = front.end_in_flight
         # uvicorn runs startup before it listens; registering from a thread a moment later would
         # race the port. The daemon also checks the port itself before it reports ready.
         front.control.register()

@@ -551,7 +551,10 @@ static int any_published(AgentChannel *a) {
 }
 
 /* The oldest published, unclaimed call for this agent: (index, seq, layer, rows, claimed_ns), a
- * stale publication as (-1, index, seq, claimed, 0), or None. */
+ * stale publication as (-1, index, seq, claimed, 0), a fenced call of a layer held here as
+ * (index, seq, layer, 0, 0) (answered without computing), or None.
+ * A fenced call is claimed here too: once every agent of the mailbox claimed and answered its
+ * last call the daemon can hand the mailbox to the Instance's next engine (Mailbox.reset). */
 static PyObject *claim(AgentChannel *a) {
     Layout *l = &a->l;
     for (;;) {
@@ -559,7 +562,16 @@ static PyObject *claim(AgentChannel *a) {
         uint64_t oldest_ns = 0;
         for (Py_ssize_t i = 0; i < a->n; i++) {
             Served *s = &a->served[i];
-            if (load(&s->w[l->req_seq]) != s->claimed && !load(&s->w[l->fence])) {
+            uint32_t published = load(&s->w[l->req_seq]);
+            if (published != s->claimed && load(&s->w[l->fence])) {
+                uint32_t layer = s->w[l->layer];
+                s->claimed = published;
+                s->counters[l->c_claimed] = published;
+                if (layer == l->probe_layer || (layer < s->n_layers && s->held[layer]))
+                    return Py_BuildValue("(nIIIK)", i, published, layer, 0u, 0ull);
+                continue;
+            }
+            if (published != s->claimed) {
                 uint64_t t = (uint64_t)s->w[l->submit_lo] | (uint64_t)s->w[l->submit_hi] << 32;
                 if (oldest == NULL || t < oldest_ns) {
                     oldest = s;

@@ -224,6 +224,25 @@ class Mailbox:
         for sem in self.ack_sems:
             sem.post()
 
+    def reset(self) -> None:
+        """Hand a fenced mailbox to the next engine of its Instance: the previous one's processes
+        are gone and every agent answered its last call. The sequence goes on from where it
+        stopped (a new rank starts at `req_seq`, the agents' claims are there), the followers
+        count as done with the last call, wake-up counts left by the fence are taken back, and
+        the fence is lifted last."""
+        w = self.words
+        assert w[W_FENCE], "only a fenced mailbox is handed on"
+        for follower in range(1, self.readers):
+            w[ack_word(follower)], w[ack_word(follower) + 1] = w[W_REQ_SEQ], 0
+        w[W_RANK_PID] = 0
+        for sem in [*(s for sems in self.reply_sems for s in sems), *self.ack_sems]:
+            while sem.try_take():
+                pass
+        for reader in range(self.readers):
+            self.stats[reader * READER_STATS_WORDS + R_HEARTBEAT_NS] = 0
+        w[W_FENCE_LEN] = 0
+        w[W_FENCE] = 0
+
     def fence_reason(self) -> str | None:
         return self._read_text(FENCE_OFFSET, W_FENCE_LEN) if self.words[W_FENCE] else None
 
