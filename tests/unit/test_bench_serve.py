@@ -79,3 +79,36 @@ def test_native_engines_split_the_budget_evenly_in_whole_units(tiny_models):
     assert native_env(d, "v") == ({"kv_cache_memory_bytes": 2**25}, {"VLLM_CPU_KVCACHE_SPACE": None})
     (tokens,) = native_env(d, "s")[0].values()
     assert type(tokens) is int and tokens > 0
+
+
+def test_fault_campaign_judges_every_request_of_the_window():
+    """A fault passes only if each request ended in time, the failed member's models answered 200
+    or a 503 naming it, and the other models answered 200; a short stop fails nothing."""
+    from crosspool.bench.faults import Fault, Request, judge
+
+    def fault(kind: str = "SIGKILL", detected: str | None = "Instance 'a' rank 0 (pid 7) exited") -> Fault:
+        return Fault(
+            "Worker", kind, "a", "Instance 'a'", 7, at=100.0, detected_s=1.0, detected=detected, affected=["a"]
+        )
+
+    named = "CrossPool Instance 'a' failed: Instance 'a' rank 0 (pid 7) exited"
+    ok = fault()
+    judge(
+        ok, [Request("a", 99.0, 101.5, 503, named), Request("b", 99.0, 102.0, 200), Request("a", 99.5, 100.5, 200)], 100
+    )
+    assert ok.problems == [] and ok.requests == {"200": 2, "503": 1}
+    other = fault()
+    judge(other, [Request("b", 99.0, 101.0, 503, named)], 100)
+    assert other.unaffected_errors == 1 and other.problems
+    unnamed = fault()
+    judge(unnamed, [Request("a", 99.0, 101.0, 503, "CrossPool deployment failed: something")], 100)
+    assert unnamed.problems and unnamed.unaffected_errors == 0
+    hung = fault()
+    judge(hung, [Request("a", 99.0, 112.5, 503, named)], 100)  # 11.5 s after the detection
+    assert hung.problems
+    short = fault("SIGSTOP-short", detected=None)
+    judge(short, [Request("a", 99.0, 103.0, 200), Request("b", 99.0, 101.0, 200)], 102.0)
+    assert short.problems == []
+    assert (
+        fault("SIGSTOP-short").problems == [] and judge(s := fault("SIGSTOP-short"), [], 102.0) is None and s.problems
+    )

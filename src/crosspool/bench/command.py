@@ -19,6 +19,7 @@ BENCHES = {
     "cuda": ("crosspool.bench.cuda", "CUDA data plane on one GPU: round trip, executor, decode step in/out of process"),
     "kv-transfer": ("crosspool.bench.kv_transfer", "an idle donor's KV capacity moved to a burst: seconds, RSS"),
     "soak": ("crosspool.bench.soak", "a deployment under steady load for a long time: lost requests, RSS growth"),
+    "faults": ("crosspool.bench.faults", "randomized faults per role under load: how every request ended, cleanup"),
 }
 
 

@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from crosspool import host
 from crosspool.bench import procs
-from crosspool.bench.overhead import START_TIMEOUT_S, crosspool_daemon, wait_ready
+from crosspool.bench.overhead import START_TIMEOUT_S, crosspool_daemon, set_top_level, wait_ready
 from crosspool.bench.serve import Lengths, poisson, send_all
 from crosspool.config import parse_deployment
 from crosspool.ipc import bind_port
@@ -87,12 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, required=True, help="the JSON report (daemon log next to it)")
     args = p.parse_args(argv)
-    text = args.deployment.read_text()
-    for key in ("port", "control_port"):  # free ports: the soak must not collide with a running deployment
-        text = "\n".join(
-            f"{key} = {bind_port('127.0.0.1')}" if line.split("=")[0].strip() == key else line
-            for line in text.splitlines()
-        )
+    # free ports: the soak must not collide with a running deployment
+    ports = {"port": bind_port("127.0.0.1"), "control_port": bind_port("127.0.0.1")}
+    text = set_top_level(args.deployment.read_text(), ports)
     models = [m.id for m in parse_deployment(text).model]
     arrivals = poisson(models, args.rate, int(args.rate * args.minutes * 60), args.prompt, args.output, args.seed)
     log_path = args.out.with_suffix(".log")
