@@ -323,6 +323,7 @@ def _serving_again(d, before: dict[str, int], models: list[str], timeout: float 
             if restarted and httpx.get(d.control + "/ready", timeout=2).json()["ready"]:
                 restarted_alone = status["generation"] == 1 and status["phase"] == "ready"  # nothing else restarted
                 assert restarted_alone, "".join(line for line in d.stderr if line.startswith("crosspool:"))
+                time.sleep(1.0)  # the front learns it from its next heartbeat (heartbeat_interval_s 0.5)
                 return
         time.sleep(1)
     raise AssertionError(f"{models} did not serve again: " + "".join(d.stderr[-40:]))

@@ -236,6 +236,21 @@ def test_dead_ffn_agent_is_named(lone):
     assert time.monotonic() - start < 2
 
 
+def _waiting_call(rank: RankTransport, layer: int, x: torch.Tensor) -> tuple[threading.Thread, list[FfnFenced]]:
+    """A call on a thread of its own (it waits: its agent is stopped), and the fence errors it got."""
+    errors: list[FfnFenced] = []
+
+    def call() -> None:
+        try:
+            rank.call(layer, x, torch.empty_like(x))
+        except FfnFenced as e:
+            errors.append(e)
+
+    t = threading.Thread(target=call)
+    t.start()
+    return t, errors
+
+
 def test_stopped_ffn_agent_times_out_and_a_fence_fails_a_waiting_call(lone):
     gen, rank = lone
     x = torch.zeros(4, HIDDEN, dtype=torch.bfloat16)
@@ -244,16 +259,7 @@ def test_stopped_ffn_agent_times_out_and_a_fence_fails_a_waiting_call(lone):
         with pytest.raises(FfnTimeout, match="FfnAgent 'ffn0' did not answer within 2 s during layer 0 of q"):
             rank.call(0, x, torch.empty_like(x))
         assert time.monotonic() - start < 5
-        errors: list[Exception] = []
-
-        def call() -> None:
-            try:
-                rank.call(1, x, torch.empty_like(x))
-            except FfnFenced as e:
-                errors.append(e)
-
-        t = threading.Thread(target=call)
-        t.start()
+        t, errors = _waiting_call(rank, 1, x)
         time.sleep(0.3)  # the call waits (the agent cannot answer)
         gen.state.fail("test failure", "test")
         gen.fence("test failure")
@@ -274,17 +280,8 @@ def test_a_fenced_mailbox_goes_to_the_next_rank_once_the_pool_answered_its_last_
     rank.call(0, x, out)
     inbox = gen.inbox("ffn0")
     executed = inbox.agent_stats(index).executed
-    errors: list[Exception] = []
-
-    def call() -> None:
-        try:
-            rank.call(1, x, torch.empty_like(x))
-        except FfnFenced as e:
-            errors.append(e)
-
     with frozen(_member(gen, "FfnAgent 'ffn0'")):
-        t = threading.Thread(target=call)
-        t.start()
+        t, errors = _waiting_call(rank, 1, x)
         while mailbox.words[W_REQ_SEQ] != rank.seq or rank.seq < 2:
             time.sleep(0.01)
         mailbox.fence("Instance 'q' rank 0 exited")

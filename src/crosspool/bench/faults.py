@@ -84,8 +84,9 @@ class Load:
                 try:
                     if stream:
                         with client.stream("POST", self.url + "/v1/completions", json={**body, "stream": True}) as s:
-                            text = "".join(s.iter_lines())
-                            status = s.status_code if '"error"' not in text else 503
+                            lines = list(s.iter_lines())
+                            errors = [line for line in lines if line.startswith('data: {"error"')]
+                            status, text = (503, errors[0]) if errors else (s.status_code, "".join(lines))
                     else:
                         resp = client.post(self.url + "/v1/completions", json=body)
                         status, text = resp.status_code, resp.text
@@ -208,6 +209,7 @@ def run_fault(d: Deployment, side: Side, load: Load, fault: Fault) -> None:
             fault.detected_s, fault.detected = round(time.monotonic() - fault.at, 2), named
         settled = fault.detected is not None or fault.kind == "SIGSTOP-short"
         if settled and (fault.kind == "SIGKILL" or resumed > fault.at) and _serving(control):
+            time.sleep(2 * d.limits.heartbeat_interval_s)  # the front learns it from its next heartbeat
             break
         time.sleep(0.1)
     else:
@@ -233,9 +235,9 @@ def judge(fault: Fault, requests: list[Request], resumed: float) -> None:
     for r in requests:
         open_for = (r.end if r.end is not None else time.monotonic()) - max(r.start, reference)
         fault.slowest_end_s = round(max(fault.slowest_end_s, open_for), 2)
-        if r.end is None or open_for > END_BOUND_S:
+        if open_for > END_BOUND_S:
             fault.problems.append(f"a {r.model} request was open {open_for:.1f} s after the failure was named")
-        outcome = "200" if r.status == 200 else f"{r.status}"
+        outcome = "open" if r.status is None else str(r.status)
         fault.requests[outcome] = fault.requests.get(outcome, 0) + 1
         if r.status == 200 or r.status is None:
             continue
