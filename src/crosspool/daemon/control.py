@@ -262,10 +262,10 @@ def create_control_app(state: ControlState) -> FastAPI:
             }
             if state.phase != "ready":
                 body["waiting_for"] = missing + [f"Instance '{m}' HTTP listener" for m in engines]
-            elif restarting:
-                body["waiting_for"] = restarting
                 if state.failure:
                     body["failure"] = state.failure
+            elif restarting:
+                body["waiting_for"] = restarting
         return JSONResponse(body, status_code=200 if body["ready"] else 503)
 
     @app.get("/status")
