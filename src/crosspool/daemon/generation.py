@@ -38,7 +38,7 @@ from crosspool.daemon.health import EngineProbe, StepWatch
 from crosspool.daemon.kv import KvBudgetError, KvPools
 from crosspool.daemon.restarts import RestartBudget
 from crosspool.daemon.supervisor import Child, Supervisor, SupervisorStopped, log
-from crosspool.fabric.inbox import Inbox
+from crosspool.fabric.inbox import AgentStats, Inbox
 from crosspool.integrations import launcher
 from crosspool.ipc import EngineFiles, SegmentMissing, Stop
 from crosspool.member import write_secret
@@ -70,6 +70,10 @@ class Scope:
     def holds(self, member: tuple[str, str]) -> bool:
         role, ident = member
         return ident in self.models if role in ("Instance", "rank") else role == "FfnAgent" and ident in self.agents
+
+
+def _exec_counts(stats: AgentStats) -> ExecCounts:
+    return ExecCounts(stats.executed, stats.execute_ns / 1e9, stats.queue_ns / 1e9)
 
 
 class Generation:
@@ -175,13 +179,11 @@ class Generation:
             request, layer = mailbox.words[W_REQ_SEQ], mailbox.words[W_LAYER]
             for agent in model.agents():
                 done = self.inbox(agent).agent_stats(mplan.index)
-                counts = ExecCounts(done.executed, done.execute_ns / 1e9, done.queue_ns / 1e9)
-                executed = counters.executed.setdefault((agent, mplan.model), ExecCounts())
-                executed.add(counts)
-                if mplan.index == self.plan.mailboxes_of(mplan.model)[0].index:
-                    executed.add(self.exec_before.get((agent, mplan.model), ExecCounts()))
+                counters.executed.setdefault((agent, mplan.model), ExecCounts()).add(_exec_counts(done))
                 if request != done.claimed and layer < model.num_layers and agent in model.layer_agents[layer]:
                     counters.queue_depth[agent] += 1
+        for key, before in self.exec_before.items():
+            counters.executed.setdefault(key, ExecCounts()).add(before)
         return counters
 
     def _shm_heartbeats(self) -> None:
@@ -456,9 +458,8 @@ class Generation:
             with self._inbox_lock:  # the old agent's counts stay in the totals
                 for mb in self.plan.mailboxes:
                     if mb.model in scope.models:
-                        c = old.agent_stats(mb.index)
                         before = self.exec_before.setdefault((agent, mb.model), ExecCounts())
-                        before.add(ExecCounts(c.executed, c.execute_ns / 1e9, c.queue_ns / 1e9))
+                        before.add(_exec_counts(old.agent_stats(mb.index)))
                 self.inboxes[agent] = fresh
         for index, mailbox in self._mailboxes_of(scope.models):
             quiet_check = check(
